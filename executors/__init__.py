@@ -1,0 +1,13 @@
+"""Executors: the `Executor` protocol, the dispatcher, and the executors themselves.
+
+`from executors import torch, inductor` gives executor objects (the modules implementing them are
+named `*_executor`, so importing a submodule never shadows these names).
+"""
+from .base import Executor
+from .torch_executor import torch_executor as torch
+from .inductor_executor import inductor_executor as inductor
+from .plan import CompiledRegion, Execution, dispatch
+from .registry import known_executors, resolve
+
+__all__ = ["Executor", "torch", "inductor", "dispatch", "Execution", "CompiledRegion", "resolve",
+           "known_executors"]

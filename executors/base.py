@@ -1,0 +1,62 @@
+"""The `Executor` protocol: what an executor claims and how it compiles a region.
+
+An executor is mostly a table: which ops it claims (`claims`), plus `compile_region`, which turns a
+region's ATen graph into a callable. `kind` is "fusion" (takes whole regions of contiguous claimed
+ops) or "operator" (takes single ops).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+RegionFn = Callable[..., tuple]
+
+
+class Executor:
+    """Base class of executors. Subclasses set `name`, `kind`, and override `claims_op`,
+    `compile_region` and, when they need something installed, `unavailable_reason`."""
+
+    name: str = "executor"
+    kind: str = "fusion"  # "fusion" | "operator"
+
+    def unavailable_reason(self) -> str | None:
+        """None when the executor can run here; otherwise why not (what is missing, how to get it)."""
+        return None
+
+    def available(self) -> tuple[bool, str | None]:
+        """(True, None), or (False, the reason)."""
+        reason = self.unavailable_reason()
+        return reason is None, reason
+
+    def claims_op(self, op, node: fx.Node) -> bool:
+        """Whether this executor runs `op` (an OpOverload or a Python callable) for `node` as it stands."""
+        raise NotImplementedError
+
+    def claims(self, node: fx.Node) -> bool:
+        """Whether this executor runs the call_function `node` as it stands."""
+        return node.op == "call_function" and self.claims_op(node.target, node)
+
+    def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence) -> RegionFn:
+        """Compiles a region (an ATen graph returning a tuple) into `fn(*args) -> tuple`.
+
+        `example_inputs` are fake tensors (and SymInts) with the inputs' metadata. Raise to decline:
+        the dispatcher then gives the region to the next executor and records the message.
+        """
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<executor {self.name} ({self.kind})>"
+
+
+def is_aten_op(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def is_symbolic_glue(target) -> bool:
+    """Python-level arithmetic on sizes (operator.mul on SymInts, sym_size, ...)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace == "aten" and target._opname.startswith("sym_")
+    module = getattr(target, "__module__", "") or ""
+    return module in ("_operator", "operator", "math") or getattr(target, "__name__", "").startswith("sym_")

@@ -1,0 +1,82 @@
+"""The dispatcher: assigns every op of an ATen trace to an executor, decomposing lazily.
+
+Each op goes to the first listed executor that claims it as it stands. If none does, it is
+decomposed (one level at a time) and the parts are offered again; if no listed executor claims any
+part, the op is kept whole and goes to the `torch` fallback, which runs eager's own kernel. Every
+fallback records why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Sequence
+
+import torch.fx as fx
+
+from .base import Executor
+from .decompose import decompose_node, splice
+
+MAX_DECOMPOSITION_DEPTH = 8
+
+
+@dataclasses.dataclass
+class Assignment:
+    """The outcome of `assign`: how many ops each executor got, and why ops fell back."""
+    decomposed: list[str] = dataclasses.field(default_factory=list)   # ops broken into parts
+    fallbacks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (op, reason)
+
+
+def assign(gm: fx.GraphModule, executors: Sequence[Executor], fallback: Executor) -> Assignment:
+    """Sets `node.meta["executor"]` on every op of `gm` (edited in place: pass a private copy)."""
+    result = Assignment()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is not operator.getitem:
+            _assign_node(gm.graph, node, executors, fallback, result, depth=0)
+    for node in gm.graph.nodes:  # a getitem runs where its producer runs
+        if node.op == "call_function" and node.target is operator.getitem:
+            node.meta["executor"] = node.args[0].meta.get("executor", fallback.name)
+    return result
+
+
+def _assign_node(graph, node, executors, fallback, result, depth) -> bool:
+    """Assigns `node`; returns True when a listed executor took it or a part of it."""
+    for ex in executors:
+        if ex.claims(node):
+            node.meta["executor"] = ex.name
+            return True
+    name = _op_name(node.target)
+    sub = decompose_node(node) if depth < MAX_DECOMPOSITION_DEPTH else None
+    if sub is not None and _any_part_claimed(sub, executors, depth + 1):
+        try:
+            new_nodes = splice(graph, node, sub)
+        except Exception:
+            new_nodes = None
+        if new_nodes is not None:
+            result.decomposed.append(name)
+            for n in new_nodes:
+                if n.op == "call_function" and n.target is not operator.getitem:
+                    _assign_node(graph, n, executors, fallback, result, depth + 1)
+            return True
+    node.meta["executor"] = fallback.name
+    listed = ", ".join(ex.name for ex in executors) or "none"
+    why = "nor any part of its decomposition" if sub is not None else "and it has no decomposition"
+    result.fallbacks.append((name, f"no listed executor ({listed}) claims {name}, {why}"))
+    return False
+
+
+def _any_part_claimed(sub: fx.GraphModule, executors, depth) -> bool:
+    """Whether some op of a decomposition (or of its parts' decompositions) is claimed."""
+    for n in sub.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        if any(ex.claims(n) for ex in executors):
+            return True
+        if depth < MAX_DECOMPOSITION_DEPTH:
+            deeper = decompose_node(n)
+            if deeper is not None and _any_part_claimed(deeper, executors, depth + 1):
+                return True
+    return False
+
+
+def _op_name(target) -> str:
+    return str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))

@@ -1,0 +1,47 @@
+"""Resolves what the user passed as `executors=[...]` into executor objects."""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+from .base import Executor
+
+
+def known_executors() -> dict[str, Executor]:
+    from . import inductor, torch
+    return {e.name: e for e in (torch, inductor)}
+
+
+def resolve(executors: Sequence) -> list[Executor]:
+    """Executor objects for `executors` (objects or names), in order, skipping unavailable ones.
+
+    Raises ValueError for an unknown name, TypeError for something that is not an executor, and
+    RuntimeError naming each executor and why when none of the listed ones is available.
+    """
+    if isinstance(executors, (str, Executor)) or not hasattr(executors, "__iter__"):
+        raise TypeError(f"executors must be a list of executors or their names, got {executors!r}")
+    known = known_executors()
+    listed: list[Executor] = []
+    for e in executors:
+        if isinstance(e, str):
+            if e not in known:
+                raise ValueError(f"unknown executor {e!r}; known executors: {sorted(known)}")
+            e = known[e]
+        elif not isinstance(e, Executor):
+            raise TypeError(f"executors[{len(listed)}] is {e!r}, not an executor or the name of one; "
+                            f"use objects from `executors` or names like 'inductor'")
+        if any(x.name == e.name for x in listed):
+            raise ValueError(f"executor {e.name!r} is listed twice")
+        listed.append(e)
+    if not listed:
+        raise ValueError("executors is empty: list at least one, e.g. executors=['torch']")
+    usable, missing = [], []
+    for e in listed:
+        ok, reason = e.available()
+        (usable if ok else missing).append(e if ok else (e, reason))
+    if not usable:
+        detail = "; ".join(f"{e.name}: {reason}" for e, reason in missing)
+        raise RuntimeError(f"none of the listed executors is available here — {detail}")
+    for e, reason in missing:
+        warnings.warn(f"executor {e.name!r} is not available and is skipped: {reason}", stacklevel=3)
+    return usable

@@ -1,0 +1,191 @@
+"""Prints a `Trace` as readable, runnable Python, Thunder style: one op per line, the shape and
+dtype of what it makes as a comment, inputs and outputs described in the header.
+
+`python_source(trace)` is the text; `python_callable(trace)` executes that text and returns the
+function, so what is printed is exactly what can be run.
+"""
+from __future__ import annotations
+
+import builtins
+import math
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from .trace import Trace, describe_value, node_value
+
+_HEADER = """\
+import operator
+import torch
+from torch import device, inf, nan
+aten = torch.ops.aten
+prims = torch.ops.prims
+"""
+
+
+def python_source(trace: Trace) -> str:
+    """The trace as a Python module defining `def <name>(...)`."""
+    names = _Names()
+    lines = [f"# Trace {trace.name!r} · level {trace.level} · made by: "
+             + (" → ".join(s.name for s in trace.provenance) or "-")]
+    params = []
+    for node, spec in zip(trace.placeholders(), _padded(trace.inputs, len(trace.placeholders()))):
+        name = names.bind(node, _readable_name(spec))
+        params.append(name)
+        what = "" if spec is None else spec.kind + (f" {spec.qualname!r}" if spec.qualname else "")
+        lines.append(f"#   {name}: {describe_value(node_value(node))}  {what}".rstrip())
+    lines.insert(1, "# inputs:")
+    lines.append(_HEADER)
+    lines.append(f"def {_identifier(trace.name)}({', '.join(params)}):")
+    body = []
+    for node in trace.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            body.append(_output_line(node, trace, names))
+            continue
+        name = names.bind(node)
+        expr = _expression(node, names)
+        comment = describe_value(node_value(node))
+        body.append(f"{name} = {expr}  # {comment}")
+    lines.extend("    " + line for line in body)
+    return "\n".join(lines) + "\n"
+
+
+def python_globals(trace: Trace) -> dict[str, Any]:
+    """The values a printed trace refers to that are not in its text: constants and submodules."""
+    env = {}
+    for node in trace.graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            env[_identifier(node.target)] = _fetch_attr(trace.module, node.target)
+    return env
+
+
+def python_callable(trace: Trace) -> Callable:
+    """Executes the printed text and returns the function it defines."""
+    namespace = python_globals(trace)
+    exec(compile(python_source(trace), f"<trace {trace.name}>", "exec"), namespace)
+    return namespace[_identifier(trace.name)]
+
+
+# -- formatting ------------------------------------------------------------------------------------
+class _Names:
+    """Maps nodes to the Python identifiers they get in the printed text."""
+
+    def __init__(self):
+        self.of: dict[fx.Node, str] = {}
+        self.taken: set[str] = set()
+
+    def bind(self, node: fx.Node, preferred: str | None = None) -> str:
+        name = _identifier(preferred or node.name)
+        if name in self.taken or name in _RESERVED:
+            name = f"{name}_{len(self.taken)}"
+        self.taken.add(name)
+        self.of[node] = name
+        return name
+
+
+_RESERVED = {"operator", "torch", "device", "inf", "nan", "aten", "prims"} | set(dir(builtins))
+
+
+def _readable_name(spec) -> str | None:
+    """`layers_0_attn_wq_weight` for a parameter, `tokens` for the user input L['tokens']."""
+    if spec is None or not spec.qualname:
+        return None
+    if spec.kind in ("parameter", "buffer"):
+        return spec.qualname.replace(".", "_")
+    inner = spec.qualname.removeprefix("L['").split("'", 1)[0]
+    return inner if inner.isidentifier() else None
+
+
+def _padded(specs, n):
+    return list(specs) + [None] * (n - len(specs)) if len(specs) < n else list(specs)[:n]
+
+
+def _identifier(name: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in str(name))
+    return out if out and not out[0].isdigit() else "_" + out
+
+
+def _expression(node: fx.Node, names: _Names) -> str:
+    args = [_format(a, names) for a in node.args]
+    args += [f"{k}={_format(v, names)}" for k, v in node.kwargs.items()]
+    if node.op == "get_attr":
+        return _identifier(node.target)
+    if node.op == "call_module":
+        return f"{_identifier(node.target)}({', '.join(args)})"
+    if node.op == "call_method":
+        return f"{args[0]}.{node.target}({', '.join(args[1:])})"
+    if node.target is operator.getitem:
+        return f"{args[0]}[{args[1]}]"
+    return f"{_callable_name(node.target)}({', '.join(args)})"
+
+
+def _callable_name(fn) -> str:
+    if isinstance(fn, torch._ops.OpOverload):
+        ns = fn.namespace
+        base = f"{ns}." if ns in ("aten", "prims") else f"torch.ops.{ns}."
+        return f"{base}{fn._opname}.{fn._overloadname}"
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return f"torch.ops.{fn._qualified_op_name.replace('::', '.')}"
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+    if module in ("_operator", "operator"):
+        return f"operator.{fn.__name__}"
+    if module == "builtins" or getattr(builtins, qualname, None) is fn:
+        return qualname
+    if module and module.startswith("torch"):
+        return _torch_path(fn, module, qualname)
+    return f"{module}.{qualname}"
+
+
+def _torch_path(fn, module, qualname) -> str:
+    # torch functions often live in private modules but are exposed publicly (torch._C._nn.gelu).
+    for public in ("torch", "torch.nn.functional", "torch.Tensor"):
+        obj = eval(public, {"torch": torch})
+        if getattr(obj, getattr(fn, "__name__", ""), None) is fn:
+            return f"{public}.{fn.__name__}"
+    return f"{module}.{qualname}"
+
+
+def _format(a: Any, names: _Names) -> str:
+    if isinstance(a, fx.Node):
+        return names.of[a]
+    if isinstance(a, tuple):
+        inner = ", ".join(_format(x, names) for x in a)
+        return f"({inner},)" if len(a) == 1 else f"({inner})"
+    if isinstance(a, list):
+        return "[" + ", ".join(_format(x, names) for x in a) + "]"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k!r}: {_format(v, names)}" for k, v in a.items()) + "}"
+    if isinstance(a, float):
+        if math.isinf(a):
+            return "inf" if a > 0 else "-inf"
+        return "nan" if math.isnan(a) else repr(a)
+    if isinstance(a, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(a)
+    if isinstance(a, torch.device):
+        return f"device({str(a)!r})"
+    if isinstance(a, slice):
+        return f"slice({_format(a.start, names)}, {_format(a.stop, names)}, {_format(a.step, names)})"
+    if a is Ellipsis:
+        return "..."
+    return repr(a)
+
+
+def _output_line(node: fx.Node, trace: Trace, names: _Names) -> str:
+    out = node.args[0]
+    text = f"return {_format(out, names)}"
+    if trace.outputs:
+        kinds = ", ".join(s.kind + (f"→{s.target}" if s.target else "") for s in trace.outputs)
+        text += f"  # {kinds}"
+    return text
+
+
+def _fetch_attr(root: torch.nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

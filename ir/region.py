@@ -1,0 +1,23 @@
+"""`Region`: a group of ops of one trace that one executor runs."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class Region:
+    """A region of a trace, assigned to an executor. Printed as one row of `pipeline.regions`."""
+    id: int
+    stage: str                    # inference | forward | backward
+    executor: str
+    ops: list[str]                # op names, in order
+    input_shapes: list[str]
+    output_shapes: list[str]
+    graph_id: str = ""            # which captured graph the region belongs to
+    fallback_reason: Optional[str] = None  # why a listed executor did not run it, if one was skipped
+    compile_seconds: float = 0.0
+
+    @property
+    def op_count(self) -> int:
+        return len(self.ops)

@@ -1,0 +1,168 @@
+"""`Trace`: an immutable, functional program over an `fx.Graph`.
+
+A trace is what every stage of the pipeline produces and consumes. It owns a `GraphModule`
+(graph + constants), says what each input and output *is* (user input, parameter with its
+qualified name, buffer, saved activation, gradient, ...), which level its ops are at (`torch`
+as captured, `aten` once lowered) and which stages and passes made it (provenance).
+
+Passes never edit a trace: they call `trace.editable()` for a private copy of the graph module,
+change that, and wrap the result with `trace.derive(gm, by="my_pass")`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """What a graph input is. `kind`: user_input | parameter | buffer | symint | saved | tangent."""
+    kind: str
+    name: str                       # placeholder name in the graph
+    qualname: Optional[str] = None  # "layers.0.attn.wq.weight" for parameters and buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """What a graph output is. `kind`: user_output | mutated_input | intermediate_base | saved | grad.
+
+    `target` names what it belongs to: the input a mutation is written back to, the input a gradient
+    is for.
+    """
+    kind: str
+    target: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One entry of provenance: the stage or pass that made a trace and how long it took."""
+    name: str
+    seconds: float = 0.0
+
+
+class Trace:
+    """An immutable functional program: a graph module plus input/output specs and provenance."""
+
+    __slots__ = ("_gm", "name", "level", "inputs", "outputs", "provenance")
+
+    def __init__(self, gm: fx.GraphModule, *, name: str, level: str,
+                 inputs: Sequence[InputSpec], outputs: Sequence[OutputSpec],
+                 provenance: Sequence[Step] = ()):
+        if level not in ("torch", "aten"):
+            raise ValueError(f"Trace level must be 'torch' or 'aten', got {level!r}")
+        self._gm = gm
+        self.name = name
+        self.level = level
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.provenance = tuple(provenance)
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def graph(self) -> fx.Graph:
+        """The graph, for reading. Use `editable()` to change a copy."""
+        return self._gm.graph
+
+    @property
+    def module(self) -> fx.GraphModule:
+        """The graph module (holds constants and submodules), for reading and running."""
+        return self._gm
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.graph.nodes) if n.op == "output")
+
+    def output_values(self) -> list[Any]:
+        out = self.output_node().args[0]
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def ops(self) -> list[fx.Node]:
+        """The nodes that compute something (not placeholders, outputs or constants)."""
+        return [n for n in self.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+    def fingerprint(self) -> str:
+        """A hash of the program text; equal fingerprints mean the same program."""
+        from .printer import python_source
+        return hashlib.sha256(python_source(self).encode()).hexdigest()[:16]
+
+    # -- deriving ------------------------------------------------------------------------------
+    def editable(self) -> fx.GraphModule:
+        """A private copy of the graph module that a pass may change freely.
+
+        Nodes are copied with their metadata (shallowly: fake tensors are shared, never mutated).
+        Constants and submodules are shared with this trace.
+        """
+        graph = fx.Graph()
+        value_map: dict[fx.Node, fx.Node] = {}
+        out = graph.graph_copy(self.graph, value_map, return_output_node=True)
+        if isinstance(out, tuple):  # graph_copy returns (output value, output node) here
+            out = out[0]
+        graph.output(out)
+        old_out, new_out = self.output_node(), next(iter(reversed(graph.nodes)))
+        new_out.meta = dict(old_out.meta)
+        return fx.GraphModule(self._gm, graph, class_name=type(self._gm).__name__)
+
+    def derive(self, gm: fx.GraphModule, *, by: str, seconds: float = 0.0, name: Optional[str] = None,
+               level: Optional[str] = None, inputs: Optional[Sequence[InputSpec]] = None,
+               outputs: Optional[Sequence[OutputSpec]] = None) -> "Trace":
+        """A new trace made from this one by the stage or pass `by`."""
+        return Trace(gm, name=name or self.name, level=level or self.level,
+                     inputs=self.inputs if inputs is None else inputs,
+                     outputs=self.outputs if outputs is None else outputs,
+                     provenance=self.provenance + (Step(by, seconds),))
+
+    # -- running and printing ------------------------------------------------------------------
+    def __call__(self, *args):
+        """Runs the trace with the reference interpreter."""
+        from .interpret import interpret
+        return interpret(self, *args)
+
+    def __str__(self) -> str:
+        from .printer import python_source
+        return python_source(self)
+
+    def __repr__(self) -> str:
+        made_by = " → ".join(s.name for s in self.provenance) or "-"
+        return f"<Trace {self.name!r} level={self.level} ops={len(self.ops())} made by: {made_by}>"
+
+
+def timed(fn, *args, **kwargs):
+    """Calls fn and returns (result, seconds)."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+def node_value(node: fx.Node) -> Any:
+    """The fake value (tensor, tuple of tensors, SymInt) a node produces, or None if unknown."""
+    meta = node.meta
+    return meta["val"] if "val" in meta else meta.get("example_value")
+
+
+def describe_value(v: Any) -> str:
+    """`f32[8, 16]` for a tensor, a tuple of those for tuples, the type otherwise."""
+    if isinstance(v, torch.Tensor):
+        shape = ", ".join(str(s) for s in v.shape)
+        dev = "" if v.device.type == "cpu" else f" {v.device}"
+        return f"{_DTYPE_ABBREV.get(v.dtype, str(v.dtype).replace('torch.', ''))}[{shape}]{dev}"
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(describe_value(x) for x in v) + ")"
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"{type(v).__name__} {v}"
+    if v is None:
+        return "None"
+    return type(v).__name__
+
+
+_DTYPE_ABBREV = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "b8", torch.complex64: "c64", torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2",
+}

@@ -1,0 +1,48 @@
+"""The verifier: checks a trace is well formed before anyone runs or transforms it."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .trace import Trace, node_value
+
+
+class TraceError(ValueError):
+    """A trace is malformed; the message names the trace, the node and what is wrong."""
+
+
+def verify(trace: Trace) -> Trace:
+    """Checks that `trace` is topologically ordered, every value has metadata, every use refers to a
+    node of this graph, and the specs match the placeholders and outputs. Returns the trace."""
+    where = f"trace {trace.name!r}"
+    try:
+        trace.graph.lint()
+    except Exception as e:  # fx's lint reports dangling uses and bad ordering
+        raise TraceError(f"{where}: {e}") from e
+    seen: set[fx.Node] = set()
+    for node in trace.graph.nodes:
+        for used in node.all_input_nodes:
+            if used.graph is not trace.graph:
+                raise TraceError(f"{where}: node {node.name!r} uses {used.name!r} from another graph")
+            if used not in seen:
+                raise TraceError(f"{where}: node {node.name!r} uses {used.name!r} before it is defined")
+        if node.op not in ("output",) and node.users and node_value(node) is None \
+                and node.op != "get_attr":
+            raise TraceError(f"{where}: node {node.name!r} ({node.format_node()}) has no shape/dtype "
+                             f"metadata (meta['val']); passes must set it on the nodes they create")
+        seen.add(node)
+    n_in = len(trace.placeholders())
+    if len(trace.inputs) != n_in:
+        raise TraceError(f"{where}: {len(trace.inputs)} input specs for {n_in} placeholders")
+    n_out = len(trace.output_values())
+    if trace.outputs and len(trace.outputs) != n_out:
+        raise TraceError(f"{where}: {len(trace.outputs)} output specs for {n_out} outputs")
+    return trace
+
+
+def check_same_metadata(expected, actual, what: str) -> None:
+    """Raises if two (fake or real) values differ in shape or dtype."""
+    if isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor):
+        if expected.shape != actual.shape or expected.dtype != actual.dtype:
+            raise TraceError(f"{what}: expected {expected.dtype}{list(expected.shape)}, "
+                             f"got {actual.dtype}{list(actual.shape)}")

@@ -1,0 +1,13 @@
+"""The pipeline: `jit` and the inspection functions.
+
+    cm = pipeline.jit(model, executors=["inductor"])
+    cm(x)
+    print(pipeline.regions(cm))        # which executor ran which ops
+    print(pipeline.last_traces(cm)[-1])  # the execution trace, as Python
+"""
+from .compiler import PassError
+from .inspect import CompileStats, Explanation, RegionTable, compile_stats, explain, last_traces, regions
+from .jit import GraphBreakError, JittedFunction, JittedModule, jit
+
+__all__ = ["jit", "regions", "last_traces", "compile_stats", "explain", "GraphBreakError", "PassError",
+           "JittedModule", "JittedFunction", "RegionTable", "CompileStats", "Explanation"]

@@ -1,0 +1,147 @@
+"""The Dynamo backend: runs the stages for each captured graph.
+
+    capture (Dynamo) → before-autodiff passes → lowering + autodiff (AOTAutograd; joint passes run
+    before partitioning) → after-autodiff passes → dispatch to executors → runtime
+
+Every stage's output is an `ir.Trace`, kept in the graph's `GraphRecord`. A graph whose lowering
+fails runs in eager (the Dynamo graph as captured) with the reason recorded.
+"""
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._guards import CompileContext, TracingContext
+
+from executors import Executor, dispatch
+from ir import OutputSpec, Step, Trace, node_value
+from transforms import TracePass
+
+from .record import GraphRecord
+from .specs import captured_input_specs, lowered_input_specs, lowered_output_specs
+
+
+class PassError(RuntimeError):
+    """A trace pass misbehaved (returned something else than a Trace, or edited its input)."""
+
+
+class PipelineBackend:
+    """A `torch.compile` backend bound to one jitted model's state."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence):
+        state = self.state
+        compile_id = CompileContext.current_compile_id()
+        record = GraphRecord(f"g{len(state.records)}", str(compile_id) if compile_id else "?",
+                             state.generation)
+        if compile_id is not None and getattr(compile_id, "frame_compile_id", 0):
+            state.recompiles += 1
+        state.records.append(record)
+        start = time.perf_counter()
+        try:
+            return self._compile(gm, example_inputs, record)
+        except PassError:
+            raise
+        except Exception as e:  # anything the pipeline cannot compile runs in eager, with the reason
+            record.eager_fallback = f"{type(e).__name__}: {str(e).strip()[:500]}"
+            warnings.warn(f"pipeline: graph {record.graph_id} runs in eager: {record.eager_fallback}")
+            return gm.forward
+        finally:
+            record.seconds["total"] += time.perf_counter() - start
+
+    def _compile(self, gm, example_inputs, record: GraphRecord):
+        state = self.state
+        for node in gm.graph.nodes:  # Dynamo keeps fake values under "example_value"
+            if "val" not in node.meta and "example_value" in node.meta:
+                node.meta["val"] = node.meta["example_value"]
+        specs = captured_input_specs(gm, example_inputs, state.owners)
+        outputs = [OutputSpec("user_output")] * _num_outputs(gm)
+        captured = record.add_trace(Trace(gm, name=f"{record.graph_id}_captured", level="torch",
+                                          inputs=specs, outputs=outputs, provenance=(Step("capture"),)))
+        trace = self._run_passes("before_autodiff", captured, record)
+        stage = functools.partial(self._lower_stage, record=record, captured=trace)
+        start = time.perf_counter()
+        inner_before = sum(record.seconds.values())
+        compiled = aot_module_simplified(
+            trace.module, list(example_inputs),
+            fw_compiler=functools.partial(stage, "forward"),
+            bw_compiler=functools.partial(stage, "backward"),
+            inference_compiler=functools.partial(stage, "inference"),
+            partition_fn=functools.partial(self._partition, record=record, captured=trace),
+            decompositions={},
+        )
+        inner = sum(record.seconds.values()) - inner_before
+        record.seconds["lower"] += time.perf_counter() - start - inner
+        return compiled
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
+        """AOTAutograd's partition hook: joint passes run here, then the min-cut partitioner."""
+        passes = [p for p in self.state.passes if p.runs_on == "joint"]
+        if passes:
+            trace = Trace(joint, name=f"{record.graph_id}_joint", level="aten",
+                          inputs=lowered_input_specs(joint, captured.inputs, "joint"), outputs=(),
+                          provenance=captured.provenance + (Step("lower (joint)"),))
+            trace = self._run_passes("joint", record.add_trace(trace), record)
+            joint = trace.module
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def _lower_stage(self, stage: str, gm: fx.GraphModule, example_inputs, *, record: GraphRecord,
+                     captured: Trace):
+        """AOTAutograd's compiler hook for the forward, backward or inference graph."""
+        ctx = TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None) if ctx else None
+        trace = Trace(gm, name=f"{record.graph_id}_{stage}", level="aten",
+                      inputs=lowered_input_specs(gm, captured.inputs, stage),
+                      outputs=lowered_output_specs(gm, captured.inputs, stage, meta),
+                      provenance=captured.provenance + (Step(f"lower ({stage})"),))
+        trace = self._run_passes("after_autodiff", record.add_trace(trace), record)
+        start = time.perf_counter()
+        execution = dispatch(trace, self.state.executors, stage=stage, graph_id=record.graph_id,
+                             first_region_id=sum(len(r.regions) for r in self.state.records))
+        record.seconds["dispatch"] += time.perf_counter() - start
+        for region in execution.regions:
+            record.seconds["dispatch"] -= region.compile_seconds
+            record.seconds[f"compile:{region.executor}"] += region.compile_seconds
+        record.regions += execution.regions
+        record.fallbacks += execution.assignment.fallbacks
+        record.decomposed += execution.assignment.decomposed
+        executed = record.add_trace(execution.trace)
+        return make_boxed_func(executed.module.forward)
+
+    def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:
+        for p in self.state.passes:
+            if p.runs_on == where:
+                trace = record.add_trace(run_pass(p, trace, record))
+        return trace
+
+
+def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
+    """Runs one pass, checking it returns a new Trace, left its input alone, and recorded itself."""
+    before = trace.fingerprint()
+    start = time.perf_counter()
+    out = p(trace)
+    seconds = time.perf_counter() - start
+    record.seconds["passes"] += seconds
+    if not isinstance(out, Trace):
+        raise PassError(f"pass {p.name!r} returned {type(out).__name__}, not a Trace; "
+                        f"build the result with trace.derive(gm, by=...)")
+    if trace.fingerprint() != before:
+        raise PassError(f"pass {p.name!r} changed its input trace {trace.name!r}; passes must edit "
+                        f"a copy: gm = trace.editable(), then return trace.derive(gm, by=...)")
+    if len(out.provenance) <= len(trace.provenance):
+        out = Trace(out.module, name=out.name, level=out.level, inputs=out.inputs, outputs=out.outputs,
+                    provenance=out.provenance + (Step(p.name, seconds),))
+    return out
+
+
+def _num_outputs(gm: fx.GraphModule) -> int:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return len(out) if isinstance(out, (tuple, list)) else 1

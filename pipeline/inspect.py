@@ -1,0 +1,151 @@
+"""Inspection: which executor ran which ops (`regions`), every stage's trace (`last_traces`),
+where compile time went (`compile_stats`), and graph breaks before compiling (`explain`)."""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from ir import Region, Trace
+
+
+def _state(cm):
+    state = getattr(cm, "_state", None)
+    if state is None:
+        raise TypeError(f"expected a model or function returned by pipeline.jit, got {type(cm).__name__}")
+    return state
+
+
+class RegionTable(list):
+    """A list of `Region`s that prints as a table."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "(no regions: the model has not been called yet, or it ran entirely in eager)"
+        rows = [("id", "graph", "stage", "executor", "#ops", "ops", "inputs", "outputs")]
+        for r in self:
+            ops = _summarize(r.ops)
+            executor = r.executor + (" (fallback)" if r.fallback_reason else "")
+            rows.append((str(r.id), r.graph_id, r.stage, executor, str(r.op_count), ops,
+                         _clip(", ".join(r.input_shapes)), _clip(", ".join(r.output_shapes))))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        notes = [f"region {r.id}: {r.fallback_reason}" for r in self if r.fallback_reason]
+        return "\n".join(lines + notes)
+
+    __repr__ = __str__
+
+    def by_executor(self) -> dict[str, int]:
+        """Number of ops each executor ran."""
+        counts: dict[str, int] = defaultdict(int)
+        for r in self:
+            counts[r.executor] += r.op_count
+        return dict(counts)
+
+
+def regions(cm) -> RegionTable:
+    """Every region of every compiled graph: id, graph, stage, executor, ops, input/output shapes."""
+    return RegionTable(r for rec in _state(cm).records for r in rec.regions)
+
+
+def last_traces(cm) -> list[Trace]:
+    """The traces of every stage for the graphs compiled by the latest call that compiled, in
+    pipeline order (captured first, execution traces last)."""
+    state = _state(cm)
+    if not state.records:
+        raise RuntimeError("nothing compiled yet: call the jitted model first")
+    latest = max(r.generation for r in state.records)
+    return [t for rec in state.records if rec.generation == latest for t in rec.traces]
+
+
+@dataclasses.dataclass
+class CompileStats:
+    graphs: int
+    graph_breaks: list[str]
+    recompilations: int
+    seconds: dict[str, float]                 # per stage, summed over graphs
+    eager_fallbacks: dict[str, str]           # graph id -> why it runs in eager
+    op_fallbacks: list[tuple[str, str, str]]  # (graph id, op, why it runs on torch)
+    region_fallbacks: list[tuple[int, str]]   # (region id, why its executor did not compile it)
+    decomposed: dict[str, int]                # op -> how many times it was decomposed
+
+    def __str__(self) -> str:
+        lines = [f"graphs: {self.graphs}   graph breaks: {len(self.graph_breaks)}   "
+                 f"recompilations: {self.recompilations}",
+                 "seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items())]
+        lines += [f"graph break: {r}" for r in self.graph_breaks]
+        lines += [f"{g} runs in eager: {why}" for g, why in self.eager_fallbacks.items()]
+        lines += [f"{g}: {op} runs on torch: {why}" for g, op, why in self.op_fallbacks]
+        lines += [f"region {i}: {why}" for i, why in self.region_fallbacks]
+        if self.decomposed:
+            lines.append("decomposed: " + ", ".join(f"{k}×{v}" for k, v in self.decomposed.items()))
+        return "\n".join(lines)
+
+
+def compile_stats(cm) -> CompileStats:
+    state = _state(cm)
+    seconds: dict[str, float] = defaultdict(float)
+    seconds["capture"] = state.capture_seconds
+    decomposed: dict[str, int] = defaultdict(int)
+    for rec in state.records:
+        for k, v in rec.seconds.items():
+            if k != "total":
+                seconds[k] += v
+        for op in rec.decomposed:
+            decomposed[op] += 1
+    return CompileStats(
+        graphs=len(state.records), graph_breaks=list(state.graph_breaks),
+        recompilations=state.recompiles, seconds=dict(seconds),
+        eager_fallbacks={r.graph_id: r.eager_fallback for r in state.records if r.eager_fallback},
+        op_fallbacks=[(r.graph_id, op, why) for r in state.records for op, why in r.fallbacks],
+        region_fallbacks=[(g.id, g.fallback_reason) for r in state.records for g in r.regions
+                          if g.fallback_reason],
+        decomposed=dict(decomposed))
+
+
+@dataclasses.dataclass
+class GraphBreak:
+    reason: str
+    where: str   # file:line of the user's code
+
+
+@dataclasses.dataclass
+class Explanation:
+    graphs: int
+    graph_breaks: list[GraphBreak]
+    ops_per_graph: list[int]
+
+    def __str__(self) -> str:
+        lines = [f"{self.graphs} graph(s), {len(self.graph_breaks)} graph break(s); "
+                 f"ops per graph: {self.ops_per_graph}"]
+        lines += [f"  break at {b.where}: {b.reason}" for b in self.graph_breaks]
+        return "\n".join(lines)
+
+
+def explain(fn_or_module: Callable, *args, **kwargs) -> Explanation:
+    """Captures `fn_or_module(*args)` without compiling and reports graphs and graph breaks."""
+    if not callable(fn_or_module):
+        raise TypeError(f"explain needs a module or function, got {type(fn_or_module).__name__}")
+    out = torch._dynamo.explain(fn_or_module)(*args, **kwargs)
+    breaks = []
+    for b in out.break_reasons:
+        frame = b.user_stack[-1] if b.user_stack else None
+        where = f"{frame.filename}:{frame.lineno}" if frame else "unknown"
+        breaks.append(GraphBreak(reason=b.reason.splitlines()[0], where=where))
+    return Explanation(graphs=out.graph_count, graph_breaks=breaks,
+                       ops_per_graph=[len(ops) for ops in out.ops_per_graph])
+
+
+def _summarize(ops: list[str], limit: int = 60) -> str:
+    counts: dict[str, int] = {}
+    for op in ops:
+        counts[op] = counts.get(op, 0) + 1
+    text = ", ".join(f"{k}×{v}" if v > 1 else k for k, v in counts.items())
+    return _clip(text, limit)
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,169 @@
+"""`pipeline.jit`: compiles a module or function through the pipeline.
+
+The result behaves like what it wraps. A jitted module shares its parameters, buffers and
+submodules with the original (so `parameters()`, `state_dict()`, `load_state_dict()`, `train()`,
+`eval()` and optimizers work on the original tensors); calling it runs the compiled graphs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch._dynamo
+
+from executors import Executor, resolve
+from transforms import TracePass, as_pass
+
+from .compiler import PipelineBackend
+from .record import GraphRecord
+
+
+class GraphBreakError(RuntimeError):
+    """`fullgraph=True` and Dynamo had to break the graph; names the reason and the user's line."""
+
+
+@dataclasses.dataclass
+class CompileState:
+    """Everything the pipeline keeps for one jitted model."""
+    executors: list[Executor]
+    passes: list[TracePass]
+    owners: dict[int, tuple[str, str]]      # id(tensor) -> (parameter|buffer, qualified name)
+    fullgraph: bool = False
+    records: list[GraphRecord] = dataclasses.field(default_factory=list)
+    graph_breaks: list[str] = dataclasses.field(default_factory=list)
+    recompiles: int = 0
+    generation: int = 0                      # number of calls that compiled something
+    capture_seconds: float = 0.0
+
+
+def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transforms: Sequence = (),
+        fullgraph: bool = False, dynamic: Optional[bool] = None):
+    """Compiles `model_or_fn` (an `nn.Module` or a function).
+
+    executors: executor objects from `executors` or their names, by priority; ops nobody claims run
+        on the `torch` executor (eager ATen kernels).
+    transforms: trace passes (`transforms.trace_pass`), each running where it declares.
+    fullgraph: raise `GraphBreakError` instead of splitting the graph at a graph break.
+    dynamic: as in `torch.compile` (None: Dynamo's automatic dynamic shapes).
+    """
+    if not callable(model_or_fn):
+        raise TypeError(f"pipeline.jit needs an nn.Module or a function, got {type(model_or_fn).__name__}")
+    if isinstance(model_or_fn, (JittedModule, JittedFunction)):
+        raise TypeError("this model is already jitted; jit the original instead")
+    if not isinstance(fullgraph, bool):
+        raise TypeError(f"fullgraph must be True or False, got {fullgraph!r}")
+    if dynamic not in (None, True, False):
+        raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
+    if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
+        raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
+    state = CompileState(executors=resolve(executors), passes=[as_pass(t) for t in transforms],
+                         owners=_owners(model_or_fn), fullgraph=fullgraph)
+    runner = torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=fullgraph,
+                           dynamic=dynamic)
+    if isinstance(model_or_fn, torch.nn.Module):
+        return JittedModule(model_or_fn, runner, state)
+    return JittedFunction(model_or_fn, runner, state)
+
+
+def _owners(obj) -> dict[int, tuple[str, str]]:
+    if not isinstance(obj, torch.nn.Module):
+        return {}
+    owners = {id(b): ("buffer", n) for n, b in obj.named_buffers(remove_duplicate=False)}
+    owners.update({id(p): ("parameter", n) for n, p in obj.named_parameters(remove_duplicate=False)})
+    return owners
+
+
+def _call(runner, state: CompileState, args, kwargs):
+    """Runs the compiled callable; notes graph breaks and capture time when this call compiled."""
+    from torch._dynamo.utils import counters
+    n_records = len(state.records)
+    breaks_before = _break_counts(counters)
+    start = time.perf_counter()
+    try:
+        out = runner(*args, **kwargs)
+    except torch._dynamo.exc.Unsupported as e:
+        if state.fullgraph:
+            raise GraphBreakError(_graph_break_message(e)) from e
+        raise
+    if len(state.records) != n_records:
+        state.generation += 1
+        for record in state.records[n_records:]:
+            record.generation = state.generation
+        backend = sum(r.seconds["total"] for r in state.records[n_records:])
+        state.capture_seconds += time.perf_counter() - start - backend
+        for reason, count in _break_counts(counters).items():
+            state.graph_breaks += [reason] * (count - breaks_before.get(reason, 0))
+    return out
+
+
+def _break_counts(counters) -> dict[str, int]:
+    """Graph breaks Dynamo has counted so far, by the first line of their reason. Dynamo files
+    them under "graph_break" or, for unsupported constructs, "unimplemented"."""
+    out: dict[str, int] = {}
+    for key in ("graph_break", "unimplemented"):
+        for reason, count in counters[key].items():
+            first = reason.strip().splitlines()[0]
+            out[first] = out.get(first, 0) + count
+    return out
+
+
+def _graph_break_message(e) -> str:
+    frames = getattr(e, "real_stack", None) or []
+    where = f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown line"
+    reason = getattr(e, "gb_type", None) or str(e).splitlines()[0]
+    return (f"graph break with fullgraph=True: {reason} at {where}. Remove the break (see below), or "
+            f"jit with fullgraph=False to split the model into several graphs.\n{e}")
+
+
+class JittedModule(torch.nn.Module):
+    """A compiled `nn.Module`: shares parameters, buffers and submodules with the original."""
+
+    def __init__(self, model: torch.nn.Module, runner, state: CompileState):
+        super().__init__()
+        object.__setattr__(self, "_original", model)
+        object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "_state", state)
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._modules = model._modules
+        self.training = model.training
+
+    def forward(self, *args, **kwargs):
+        return _call(self._runner, self._state, args, kwargs)
+
+    def train(self, mode: bool = True):
+        self._original.train(mode)
+        self.training = mode
+        return self
+
+    def state_dict(self, *args, **kwargs):
+        return self._original.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._original.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_original"), name)
+
+    def extra_repr(self) -> str:
+        return f"executors={[e.name for e in self._state.executors]}"
+
+
+class JittedFunction:
+    """A compiled function."""
+
+    def __init__(self, fn: Callable, runner, state: CompileState):
+        functools.update_wrapper(self, fn)
+        self._original, self._runner, self._state = fn, runner, state
+
+    def __call__(self, *args, **kwargs):
+        return _call(self._runner, self._state, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<jitted {getattr(self._original, '__qualname__', self._original)!r}>"

@@ -1,0 +1,63 @@
+"""What the pipeline remembers about each compiled graph: every stage's trace, the regions, the
+fallbacks and their reasons, and where the time went. `pipeline.regions`, `last_traces` and
+`compile_stats` read these records."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections import defaultdict
+from typing import Optional
+
+from ir import Region, Trace, python_source, verify
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """One graph Dynamo captured and the pipeline compiled."""
+    graph_id: str                    # g0, g1, ... in the order they were compiled
+    compile_id: str                  # Dynamo's frame/recompile id, e.g. "0/1"
+    generation: int                  # which call of the compiled model compiled it
+    traces: list[Trace] = dataclasses.field(default_factory=list)
+    regions: list[Region] = dataclasses.field(default_factory=list)
+    fallbacks: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    decomposed: list[str] = dataclasses.field(default_factory=list)
+    eager_fallback: Optional[str] = None  # why the whole graph runs in eager, if it does
+    seconds: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
+
+    def add_trace(self, trace: Trace) -> Trace:
+        self.traces.append(trace)
+        if debug_enabled():
+            verify(trace)
+            dump(trace, len(self.traces))
+        return trace
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("PIPELINE_DEBUG", "") not in ("", "0")
+
+
+_dump_dir: Optional[str] = None
+
+
+def dump_dir() -> str:
+    """The folder `PIPELINE_DEBUG=1` writes traces to: `PIPELINE_DUMP_DIR`, or ./pipeline_dump/<pid>."""
+    global _dump_dir
+    if _dump_dir is None:
+        root = os.environ.get("PIPELINE_DUMP_DIR") or os.path.join(os.getcwd(), "pipeline_dump")
+        _dump_dir = os.path.join(root, str(os.getpid()))
+        os.makedirs(_dump_dir, exist_ok=True)
+    return _dump_dir
+
+
+def dump(trace: Trace, index: int) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", trace.name)
+    path = os.path.join(dump_dir(), f"{safe}.{index:02d}.{_slug(trace)}.py")
+    with open(path, "w") as f:
+        f.write(python_source(trace))
+    return path
+
+
+def _slug(trace: Trace) -> str:
+    last = trace.provenance[-1].name if trace.provenance else "trace"
+    return re.sub(r"[^A-Za-z0-9]+", "_", last).strip("_")

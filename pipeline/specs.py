@@ -1,0 +1,79 @@
+"""Input and output specs for the traces of each stage: what every graph input and output is."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from ir import InputSpec, OutputSpec
+
+
+def captured_input_specs(gm: fx.GraphModule, example_inputs: Sequence,
+                         owners: dict[int, tuple[str, str]]) -> list[InputSpec]:
+    """Specs of a Dynamo graph's inputs. `owners` maps id(tensor) -> (kind, qualified name) for the
+    module's parameters and buffers, which Dynamo passes as graph inputs."""
+    specs = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, (int, torch.SymInt)):
+            specs.append(InputSpec("symint", node.name))
+        elif id(value) in owners:
+            kind, qualname = owners[id(value)]
+            specs.append(InputSpec(kind, node.name, qualname))
+        else:
+            specs.append(InputSpec(_kind_from_source(node), node.name, _source_name(node)))
+    return specs
+
+
+def lowered_input_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: str) -> list[InputSpec]:
+    """Specs of an AOTAutograd graph's inputs: the captured inputs (forward/inference), or saved
+    values and tangents (backward)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if stage == "backward":
+        return [InputSpec("tangent" if n.name.startswith("tangents") else "saved", n.name)
+                for n in placeholders]
+    out = []
+    for i, n in enumerate(placeholders):
+        c = captured[i] if i < len(captured) else InputSpec("user_input", n.name)
+        out.append(InputSpec(c.kind, n.name, c.qualname))
+    return out
+
+
+def lowered_output_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: str,
+                         fw_metadata) -> list[OutputSpec]:
+    """Specs of an AOTAutograd graph's outputs, read from AOTAutograd's view/mutation metadata."""
+    out = list(gm.graph.output_node().args[0]) if hasattr(gm.graph, "output_node") else \
+        list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+    if stage == "backward":
+        return [OutputSpec("grad", _label(captured[i]) if i < len(captured) else None)
+                for i in range(len(out))]
+    specs: list[OutputSpec] = []
+    if fw_metadata is not None:
+        for i in fw_metadata.mutated_inp_runtime_indices:
+            specs.append(OutputSpec("mutated_input", _label(captured[i]) if i < len(captured) else None))
+        specs += [OutputSpec("user_output")] * fw_metadata.num_outputs
+        specs += [OutputSpec("intermediate_base")] * fw_metadata.num_intermediate_bases
+    rest = "saved" if stage == "forward" else "user_output"
+    specs += [OutputSpec(rest)] * (len(out) - len(specs))
+    return specs[:len(out)]
+
+
+def _label(spec: InputSpec) -> str:
+    return spec.qualname or spec.name
+
+
+def _kind_from_source(node: fx.Node) -> str:
+    name = _source_name(node) or ""
+    if "._parameters[" in name:
+        return "parameter"
+    if "._buffers[" in name:
+        return "buffer"
+    return "user_input"
+
+
+def _source_name(node: fx.Node) -> Optional[str]:
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    return source.name if isinstance(getattr(source, "name", None), str) else (
+        source.name() if source is not None and callable(getattr(source, "name", None)) else None)

@@ -1,0 +1,54 @@
+"""Trace passes: pure `Trace -> Trace` functions that say where in the pipeline they run.
+
+    before_autodiff  on the captured torch-level trace, before AOTAutograd derives the backward
+                     (mixed precision: casts must exist before the backward is derived)
+    joint            on the joint forward+backward graph, before it is partitioned (checkpointing)
+    after_autodiff   on each lowered forward, backward and inference trace (offload, DCE/CSE)
+
+A pass returns a new trace and never edits its input: start from `trace.editable()` and finish with
+`trace.derive(gm, by=name)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from ir import Trace
+
+STAGES = ("before_autodiff", "joint", "after_autodiff")
+
+
+@dataclasses.dataclass(frozen=True)
+class TracePass:
+    """A pass and where it runs. Call it like the function it wraps."""
+    fn: Callable[[Trace], Trace]
+    runs_on: str = "after_autodiff"
+    name: str = ""
+
+    def __post_init__(self):
+        if self.runs_on not in STAGES:
+            raise ValueError(f"pass {self.name or self.fn!r}: runs_on must be one of {STAGES}, "
+                             f"got {self.runs_on!r}")
+        if not callable(self.fn):
+            raise TypeError(f"a trace pass must be callable, got {self.fn!r}")
+        if not self.name:
+            object.__setattr__(self, "name", getattr(self.fn, "__qualname__", repr(self.fn)))
+
+    def __call__(self, trace: Trace) -> Trace:
+        return self.fn(trace)
+
+
+def trace_pass(fn: Callable | None = None, *, runs_on: str = "after_autodiff", name: str = ""):
+    """Makes a `TracePass`; usable as `@trace_pass` or `@trace_pass(runs_on="before_autodiff")`."""
+    if fn is None:
+        return lambda f: TracePass(f, runs_on, name)
+    return TracePass(fn, runs_on, name)
+
+
+def as_pass(obj) -> TracePass:
+    """A `TracePass` for what the user listed in `transforms=[...]`; a bare function runs after autodiff."""
+    if isinstance(obj, TracePass):
+        return obj
+    if callable(obj):
+        return TracePass(obj)
+    raise TypeError(f"transforms must hold trace passes or functions Trace -> Trace, got {obj!r}")
