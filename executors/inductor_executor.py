@@ -6,6 +6,7 @@ It claims the ops Inductor has a lowering or a decomposition for.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 from typing import Sequence
@@ -42,11 +43,22 @@ class InductorExecutor(Executor):
         from torch._inductor.compile_fx import compile_fx_inner
 
         with config.patch(fallback_random=self.fallback_random):
-            compiled = compile_fx_inner(gm, list(example_inputs))
+            compiled = compile_fx_inner(_inductor_decomposed(gm, example_inputs), list(example_inputs))
 
         def run(*args):
             return tuple(compiled(list(args)))
         return run
+
+
+def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
+    """The region re-traced with Inductor's own decompositions, which `compile_fx_inner` expects
+    to have run (inside torch.compile, AOTAutograd applies them)."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = detect_fake_mode(list(example_inputs))
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        return make_fx(gm, decomposition_table=_decompositions(), tracing_mode="real")(*example_inputs)
 
 
 @functools.cache

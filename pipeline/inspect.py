@@ -136,7 +136,8 @@ def explain(fn_or_module: Callable, *args, **kwargs) -> Explanation:
         where = f"{frame.filename}:{frame.lineno}" if frame else "unknown"
         breaks.append(GraphBreak(reason=b.reason.splitlines()[0], where=where))
     return Explanation(graphs=out.graph_count, graph_breaks=breaks,
-                       ops_per_graph=[len(ops) for ops in out.ops_per_graph])
+                       ops_per_graph=[sum(n.op.startswith("call_") for n in g.graph.nodes)
+                                      for g in out.graphs])
 
 
 def _summarize(ops: list[str], limit: int = 60) -> str:

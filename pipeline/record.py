@@ -37,17 +37,12 @@ def debug_enabled() -> bool:
     return os.environ.get("PIPELINE_DEBUG", "") not in ("", "0")
 
 
-_dump_dir: Optional[str] = None
-
-
 def dump_dir() -> str:
     """The folder `PIPELINE_DEBUG=1` writes traces to: `PIPELINE_DUMP_DIR`, or ./pipeline_dump/<pid>."""
-    global _dump_dir
-    if _dump_dir is None:
-        root = os.environ.get("PIPELINE_DUMP_DIR") or os.path.join(os.getcwd(), "pipeline_dump")
-        _dump_dir = os.path.join(root, str(os.getpid()))
-        os.makedirs(_dump_dir, exist_ok=True)
-    return _dump_dir
+    root = os.environ.get("PIPELINE_DUMP_DIR") or os.path.join(os.getcwd(), "pipeline_dump")
+    path = os.path.join(root, str(os.getpid()))
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def dump(trace: Trace, index: int) -> str:

@@ -1,0 +1,40 @@
+"""Differential-testing helpers: run a model in eager and through the pipeline on the same inputs."""
+import copy
+
+import torch
+
+
+def run_both(model, *inputs, executors=("torch",), train=False, **jit_kwargs):
+    """Returns (eager output, jitted output, eager copy, jitted model). With `train`, also runs
+    backward on out.sum() (after a fixed-weight projection, so every output element matters)."""
+    import pipeline
+    eager = copy.deepcopy(model)
+    jitted = pipeline.jit(model, executors=list(executors), **jit_kwargs)
+    outs = []
+    for m in (eager, jitted):
+        ins = [copy.deepcopy(i) for i in inputs]
+        if train:
+            out = m(*ins)
+            _loss(out).backward()
+        else:
+            with torch.no_grad():
+                out = m(*ins)
+        outs.append(out)
+    return outs[0], outs[1], eager, jitted
+
+
+def _loss(out):
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    return (out * weights).sum()
+
+
+def assert_same_grads(eager, jitted, exact=True, rtol=1.3e-6, atol=1e-5):
+    for (name, p), (_, q) in zip(eager.named_parameters(), jitted.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is None:
+            continue
+        if exact:
+            assert torch.equal(p.grad, q.grad), f"grad of {name} differs by {(p.grad - q.grad).abs().max()}"
+        else:
+            torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol, msg=f"grad of {name}")

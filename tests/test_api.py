@@ -1,0 +1,162 @@
+"""pipeline.jit's contract: clear errors for misuse, module behaviour, inspection."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import executors
+import pipeline
+from executors import Executor
+
+
+def test_unknown_executor_name_is_an_error_naming_it(mlp):
+    with pytest.raises(ValueError, match="unknown executor 'tensorrt'.*known executors"):
+        pipeline.jit(mlp, executors=["tensorrt"])
+
+
+def test_non_callable_model_is_an_error():
+    with pytest.raises(TypeError, match="nn.Module or a function, got int"):
+        pipeline.jit(42)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(executors="torch"), "executors must be a list"),
+    (dict(executors=[object()]), "not an executor"),
+    (dict(executors=[]), "executors is empty"),
+    (dict(executors=["torch", "torch"]), "listed twice"),
+    (dict(fullgraph="yes"), "fullgraph must be True or False"),
+    (dict(dynamic="sometimes"), "dynamic must be None, True or False"),
+    (dict(transforms=[3]), "transforms must hold trace passes"),
+])
+def test_bad_options_are_errors_naming_them(mlp, kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        pipeline.jit(mlp, **kwargs)
+
+
+def test_unknown_option_is_an_error(mlp):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'backend'"):
+        pipeline.jit(mlp, backend="inductor")
+
+
+class Missing(Executor):
+    name, kind = "missing", "fusion"
+
+    def unavailable_reason(self):
+        return "the missing library is not installed (pip install missing)"
+
+
+def test_only_unavailable_executors_is_an_error_naming_each(mlp):
+    with pytest.raises(RuntimeError, match="missing: the missing library is not installed"):
+        pipeline.jit(mlp, executors=[Missing()])
+
+
+def test_unavailable_executor_is_skipped_with_one_warning(mlp):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cm = pipeline.jit(mlp, executors=[Missing(), "torch"])
+    assert [str(w.message) for w in caught if "missing" in str(w.message)] == [
+        "executor 'missing' is not available and is skipped: the missing library is not installed "
+        "(pip install missing)"]
+    cm(torch.randn(2, 16))
+    assert {r.executor for r in pipeline.regions(cm)} == {"torch"}
+
+
+def test_executor_names_import_as_objects():
+    from executors import inductor, torch as torch_ex
+    assert isinstance(inductor, Executor) and inductor.name == "inductor"
+    assert isinstance(torch_ex, Executor) and torch_ex.name == "torch"
+    import executors.inductor_executor  # importing a submodule does not shadow the object
+    assert isinstance(executors.inductor, Executor)
+
+
+def test_jitted_module_behaves_like_the_module(mlp):
+    cm = pipeline.jit(mlp, executors=["torch"])
+    assert [id(p) for p in cm.parameters()] == [id(p) for p in mlp.parameters()]
+    assert cm.state_dict().keys() == mlp.state_dict().keys()
+    cm.eval()
+    assert not mlp.training and not cm.training
+    cm.train()
+    assert mlp.training
+    sd = {k: torch.zeros_like(v) for k, v in mlp.state_dict().items()}
+    cm.load_state_dict(sd)
+    assert torch.equal(mlp.fc1.weight, torch.zeros_like(mlp.fc1.weight))
+    assert cm.fc1 is mlp.fc1
+
+
+def test_optimizer_on_jitted_parameters_trains_the_original(mlp):
+    cm = pipeline.jit(mlp, executors=["torch"])
+    opt = torch.optim.AdamW(cm.parameters(), lr=1e-2)
+    before = mlp.fc1.weight.detach().clone()
+    cm(torch.randn(4, 16)).pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(before, mlp.fc1.weight)
+
+
+def test_fullgraph_graph_break_names_reason_and_line():
+    def f(x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+    cf = pipeline.jit(f, executors=["torch"], fullgraph=True)
+    with pytest.raises(pipeline.GraphBreakError, match=r"Data-dependent branching at .*test_api.py:\d+"):
+        cf(torch.ones(3))
+
+
+def test_explain_lists_breaks_graphs_and_ops():
+    def f(x):
+        x = x.sin() + 1
+        print("break")
+        return x.cos()
+    report = pipeline.explain(f, torch.randn(4))
+    assert report.graphs == 2
+    assert len(report.graph_breaks) == 1 and "test_api.py" in report.graph_breaks[0].where
+    assert report.ops_per_graph == [2, 1]
+
+
+def test_compile_stats_report_graphs_and_stage_times(mlp):
+    cm = pipeline.jit(mlp, executors=["torch"])
+    cm(torch.randn(2, 16))
+    stats = pipeline.compile_stats(cm)
+    assert stats.graphs == 1 and stats.graph_breaks == [] and stats.recompilations == 0
+    for stage in ("capture", "lower", "dispatch"):
+        assert stats.seconds[stage] > 0
+    cm(torch.randn(2, 16, dtype=torch.float64).float())  # same metadata: no recompile
+    assert pipeline.compile_stats(cm).graphs == 1
+
+
+def test_recompilation_is_counted(mlp):
+    cm = pipeline.jit(mlp.double(), executors=["torch"], dynamic=False)
+    cm(torch.randn(2, 16, dtype=torch.float64))
+    cm(torch.randn(3, 16, dtype=torch.float64))
+    assert pipeline.compile_stats(cm).recompilations == 1
+
+
+def test_region_table_prints_every_region(mlp):
+    cm = pipeline.jit(mlp, executors=["torch"])
+    with torch.no_grad():
+        cm(torch.randn(2, 16))
+    table = pipeline.regions(cm)
+    assert len(table) == 1 and table[0].executor == "torch" and table[0].stage == "inference"
+    assert table[0].ops == ["t", "addmm", "gelu", "t", "addmm"]
+    text = str(table)
+    assert "executor" in text and "addmm×2" in text and "f32[2, 16]" in text
+
+
+def test_inspection_of_a_plain_module_is_an_error(mlp):
+    with pytest.raises(TypeError, match="returned by pipeline.jit"):
+        pipeline.regions(mlp)
+
+
+def test_lowering_failure_runs_the_graph_in_eager_with_the_reason(mlp, monkeypatch):
+    import pipeline.compiler as compiler
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("no lowering for this construct")
+    monkeypatch.setattr(compiler, "aot_module_simplified", broken)
+    cm = pipeline.jit(mlp, executors=["torch"])
+    x = torch.randn(2, 16)
+    with pytest.warns(UserWarning, match="runs in eager"):
+        out = cm(x)
+    assert torch.equal(out, mlp(x))
+    assert "no lowering for this construct" in pipeline.compile_stats(cm).eager_fallbacks["g0"]
