@@ -1,9 +1,11 @@
 """The dispatcher: assigns every op of an ATen trace to an executor, decomposing lazily.
 
 Each op goes to the first listed executor that claims it as it stands. If none does, it is
-decomposed (one level at a time) and the parts are offered again; if no listed executor claims any
-part, the op is kept whole and goes to the `torch` fallback, which runs eager's own kernel. Every
-fallback records why.
+decomposed (one level at a time) and the parts are offered again — but only when listed executors
+claim every part (directly or through the parts' own decompositions). Otherwise the op is kept
+whole and goes to the `torch` fallback, which runs eager's own kernel: splitting `cumsum` into a
+masked O(n²) sum so that one `mul` of it can be fused would make the program slower and change
+its numerics for nothing. Every fallback records why.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .base import Executor
+from .base import Executor, is_symbolic_glue
 from .decompose import decompose_node, splice
 
 MAX_DECOMPOSITION_DEPTH = 8
@@ -46,7 +48,7 @@ def _assign_node(graph, node, executors, fallback, result, depth) -> bool:
             return True
     name = _op_name(node.target)
     sub = decompose_node(node) if depth < MAX_DECOMPOSITION_DEPTH else None
-    if sub is not None and _any_part_claimed(sub, executors, depth + 1):
+    if sub is not None and _all_parts_claimed(sub, executors, depth + 1):
         try:
             new_nodes = splice(graph, node, sub)
         except Exception:
@@ -59,23 +61,22 @@ def _assign_node(graph, node, executors, fallback, result, depth) -> bool:
             return True
     node.meta["executor"] = fallback.name
     listed = ", ".join(ex.name for ex in executors) or "none"
-    why = "nor any part of its decomposition" if sub is not None else "and it has no decomposition"
+    why = "nor all parts of its decomposition" if sub is not None else "and it has no decomposition"
     result.fallbacks.append((name, f"no listed executor ({listed}) claims {name}, {why}"))
     return False
 
 
-def _any_part_claimed(sub: fx.GraphModule, executors, depth) -> bool:
-    """Whether some op of a decomposition (or of its parts' decompositions) is claimed."""
+def _all_parts_claimed(sub: fx.GraphModule, executors, depth) -> bool:
+    """Whether every op of a decomposition is claimed, directly or through its own decomposition."""
     for n in sub.graph.nodes:
-        if n.op != "call_function" or n.target is operator.getitem:
+        if n.op != "call_function" or n.target is operator.getitem or is_symbolic_glue(n.target):
             continue
         if any(ex.claims(n) for ex in executors):
-            return True
-        if depth < MAX_DECOMPOSITION_DEPTH:
-            deeper = decompose_node(n)
-            if deeper is not None and _any_part_claimed(deeper, executors, depth + 1):
-                return True
-    return False
+            continue
+        deeper = decompose_node(n) if depth < MAX_DECOMPOSITION_DEPTH else None
+        if deeper is None or not _all_parts_claimed(deeper, executors, depth + 1):
+            return False
+    return True
 
 
 def _op_name(target) -> str:

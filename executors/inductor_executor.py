@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
+from ir import node_value
+
 from .base import Executor, is_symbolic_glue
 
 
@@ -42,12 +44,51 @@ class InductorExecutor(Executor):
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx_inner
 
-        with config.patch(fallback_random=self.fallback_random):
-            compiled = compile_fx_inner(_inductor_decomposed(gm, example_inputs), list(example_inputs))
+        decomposed = _inductor_decomposed(gm, example_inputs)
+        # No channels-last layout choices of Inductor's own: other regions consume these outputs
+        # with the strides the trace promises.
+        with config.patch(fallback_random=self.fallback_random, layout_optimization=False):
+            compiled = compile_fx_inner(decomposed, list(example_inputs))
+        restride = _mismatched_strides(gm, _static_strides(getattr(compiled, "output_strides", None)))
 
         def run(*args):
-            return tuple(compiled(list(args)))
+            outs = list(compiled(list(args)))
+            for i, stride in restride:
+                outs[i] = torch.empty_strided(outs[i].shape, stride, dtype=outs[i].dtype,
+                                              device=outs[i].device).copy_(outs[i])
+            return tuple(outs)
         return run
+
+
+def _static_strides(strides):
+    """Inductor's output strides (printed expressions) as ints; None where one is symbolic."""
+    if not strides:
+        return None
+    out = []
+    for stride in strides:
+        try:
+            out.append(None if stride is None else tuple(int(s) for s in stride))
+        except (TypeError, ValueError):
+            out.append(None)
+    return out
+
+
+def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple[int, ...]]]:
+    """(output index, promised stride) for each output Inductor lays out differently from what the
+    region's trace promises; those outputs are copied into the promised layout when they run."""
+    if not actual:
+        return []
+    promised = region.graph.find_nodes(op="output")[0].args[0]
+    out = []
+    for i, (node, got) in enumerate(zip(promised, actual)):
+        val = node_value(node) if isinstance(node, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or got is None:
+            continue
+        want = tuple(val.stride())
+        if all(isinstance(s, int) for s in want) and all(isinstance(s, int) for s in got) \
+                and tuple(got) != want and val.numel() > 1:
+            out.append((i, want))
+    return out
 
 
 def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:

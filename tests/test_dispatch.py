@@ -1,0 +1,127 @@
+"""The dispatcher: claims by priority, lazy decomposition, cycle-free regions, compile fallback."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeline
+from executors import Executor
+
+aten = torch.ops.aten
+
+
+class Claiming(Executor):
+    """A test executor claiming a fixed set of ops; it records the regions it is given."""
+
+    def __init__(self, name, ops=(), kind="fusion", tag=None, fail=False):
+        self.name, self.kind, self.ops, self.tag, self.fail = name, kind, set(ops), tag, fail
+        self.received = []
+
+    def claims_op(self, op, node):
+        return op in self.ops or (self.tag is not None and isinstance(op, torch._ops.OpOverload)
+                                  and self.tag in op.tags)
+
+    def compile_region(self, gm, example_inputs):
+        if self.fail:
+            raise RuntimeError(f"{self.name} cannot compile this")
+        self.received.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+
+def silu_plus_one(x):
+    return F.silu(x) + 1
+
+
+def test_op_not_claimed_whole_is_decomposed_into_claimed_parts():
+    ex = Claiming("sigmul", [aten.sigmoid.default, aten.mul.Tensor])
+    cf = pipeline.jit(silu_plus_one, executors=[ex])
+    x = torch.randn(8)
+    torch.testing.assert_close(cf(x), silu_plus_one(x))
+    assert ex.received == [[aten.sigmoid.default, aten.mul.Tensor]]
+    assert pipeline.compile_stats(cf).decomposed == {"aten.silu.default": 1}
+
+
+def test_op_claimed_whole_is_not_decomposed():
+    ex = Claiming("silu", [aten.silu.default, aten.sigmoid.default, aten.mul.Tensor])
+    cf = pipeline.jit(silu_plus_one, executors=[ex])
+    x = torch.randn(8)
+    assert torch.equal(cf(x), silu_plus_one(x))
+    assert ex.received == [[aten.silu.default]]
+
+
+def test_op_whose_parts_nobody_claims_stays_whole_on_torch_with_the_reason():
+    ex = Claiming("cos_only", [aten.cos.default])
+    cf = pipeline.jit(silu_plus_one, executors=[ex])
+    x = torch.randn(8)
+    assert torch.equal(cf(x), silu_plus_one(x))  # eager's own silu kernel ran
+    assert ex.received == []
+    table = pipeline.regions(cf)
+    assert [(r.executor, r.ops) for r in table] == [("torch", ["silu", "add"])]
+    reasons = dict((op, why) for _, op, why in pipeline.compile_stats(cf).op_fallbacks)
+    assert "no listed executor (cos_only) claims aten.silu.default" in reasons["aten.silu.default"]
+
+
+def test_first_listed_executor_wins():
+    a = Claiming("a", [aten.add.Tensor])
+    b = Claiming("b", [aten.add.Tensor, aten.silu.default])
+    cf = pipeline.jit(silu_plus_one, executors=[a, b])
+    cf(torch.randn(4))
+    assert [(r.executor, r.ops) for r in pipeline.regions(cf)] == [("b", ["silu"]), ("a", ["add"])]
+
+
+def diamond(x):
+    a = x.sin()          # claimed
+    b = a.cumsum(0)      # not claimed: runs on torch between a and c
+    return (a * b).cos()  # claimed, depends on a directly and through b
+
+
+def test_regions_are_cycle_free():
+    ex = Claiming("pw", tag=torch.Tag.pointwise)
+    cf = pipeline.jit(diamond, executors=[ex])
+    x = torch.randn(6)
+    assert torch.equal(cf(x), diamond(x))
+    assert [(r.executor, r.ops) for r in pipeline.regions(cf)] == [
+        ("pw", ["sin"]), ("torch", ["cumsum"]), ("pw", ["mul", "cos"])]
+
+
+def test_operator_executor_gets_one_region_per_op():
+    ex = Claiming("ops", [aten.sin.default, aten.mul.Tensor, aten.cos.default], kind="operator")
+    cf = pipeline.jit(diamond, executors=[ex])
+    cf(torch.randn(6))
+    assert [r.ops for r in pipeline.regions(cf) if r.executor == "ops"] == [["sin"], ["mul"], ["cos"]]
+
+
+def test_region_that_fails_to_compile_falls_back_with_the_reason():
+    broken = Claiming("broken", tag=torch.Tag.pointwise, fail=True)
+    backup = Claiming("backup", tag=torch.Tag.pointwise)
+    cf = pipeline.jit(diamond, executors=[broken, backup])
+    x = torch.randn(6)
+    assert torch.equal(cf(x), diamond(x))
+    table = pipeline.regions(cf)
+    assert {r.executor for r in table} == {"backup", "torch"}
+    assert all("broken failed to compile: RuntimeError: broken cannot compile this" in r.fallback_reason
+               for r in table if r.executor == "backup")
+    assert "(fallback)" in str(table)
+    assert len(pipeline.compile_stats(cf).region_fallbacks) == 2
+
+
+def test_failed_region_with_no_other_claimant_runs_on_torch():
+    broken = Claiming("broken", tag=torch.Tag.pointwise, fail=True)
+    cf = pipeline.jit(diamond, executors=[broken])
+    x = torch.randn(6)
+    assert torch.equal(cf(x), diamond(x))
+    assert {r.executor for r in pipeline.regions(cf)} == {"torch"}
+
+
+def mlp_fn(x, w1, w2):
+    return F.gelu(x @ w1) @ w2
+
+
+@pytest.mark.inductor
+def test_pointwise_executor_next_to_inductor_splits_regions_as_expected():
+    pointwise = Claiming("pointwise", tag=torch.Tag.pointwise)
+    cf = pipeline.jit(mlp_fn, executors=[pointwise, "inductor"])
+    args = torch.randn(4, 8), torch.randn(8, 16), torch.randn(16, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(cf(*args), mlp_fn(*args))
+    assert [(r.executor, r.ops) for r in pipeline.regions(cf)] == [
+        ("inductor", ["mm"]), ("pointwise", ["gelu"]), ("inductor", ["mm"])]
