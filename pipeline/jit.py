@@ -17,7 +17,7 @@ import torch._dynamo
 from executors import Executor, resolve
 from transforms import TracePass, as_pass
 
-from .compiler import PipelineBackend
+from .compiler import PassError, PipelineBackend
 from .record import GraphRecord
 
 
@@ -87,6 +87,10 @@ def _call(runner, state: CompileState, args, kwargs):
     except torch._dynamo.exc.Unsupported as e:
         if state.fullgraph:
             raise GraphBreakError(_graph_break_message(e)) from e
+        raise
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        if isinstance(e.inner_exception, PassError):  # the user's pass is at fault: say so plainly
+            raise e.inner_exception.with_traceback(None) from None
         raise
     if len(state.records) != n_records:
         state.generation += 1

@@ -32,7 +32,7 @@ class TracePass:
         if not callable(self.fn):
             raise TypeError(f"a trace pass must be callable, got {self.fn!r}")
         if not self.name:
-            object.__setattr__(self, "name", getattr(self.fn, "__qualname__", repr(self.fn)))
+            object.__setattr__(self, "name", getattr(self.fn, "__name__", repr(self.fn)))
 
     def __call__(self, trace: Trace) -> Trace:
         return self.fn(trace)

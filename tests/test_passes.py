@@ -1,0 +1,100 @@
+"""Trace passes: a user pass as in the README, purity checks, provenance, stage order."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeline
+from transforms import trace_pass
+
+
+@trace_pass(runs_on="after_autodiff")
+def tanh_gelu(trace):
+    gm = trace.editable()
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.gelu.default:
+            node.kwargs = {**node.kwargs, "approximate": "tanh"}
+    gm.recompile()
+    return trace.derive(gm, by="tanh_gelu")
+
+
+def test_user_pass_replaces_gelu_with_its_tanh_approximation(mlp):
+    cm = pipeline.jit(mlp, executors=["torch"], transforms=[tanh_gelu])
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        out = cm(x)
+        expected = mlp.fc2(F.gelu(mlp.fc1(x), approximate="tanh"))
+        exact = mlp.fc2(F.gelu(mlp.fc1(x)))
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, exact)
+    lowered = [t for t in pipeline.last_traces(cm) if t.provenance[-1].name == "tanh_gelu"]
+    assert len(lowered) == 1 and "approximate='tanh'" in str(lowered[0])
+
+
+def test_pass_runs_on_forward_and_backward_in_training(mlp):
+    seen = []
+
+    @trace_pass
+    def record(trace):
+        seen.append(trace.name)
+        return trace.derive(trace.editable(), by="record")
+
+    cm = pipeline.jit(mlp, executors=["torch"], transforms=[record])
+    cm(torch.randn(2, 16)).sum().backward()
+    assert seen == ["g0_forward", "g0_backward"]
+
+
+def test_before_autodiff_pass_sees_the_torch_level_trace(mlp):
+    levels = []
+
+    @trace_pass(runs_on="before_autodiff")
+    def look(trace):
+        levels.append(trace.level)
+        return trace.derive(trace.editable(), by="look")
+
+    pipeline.jit(mlp, executors=["torch"], transforms=[look])(torch.randn(2, 16))
+    assert levels == ["torch"]
+
+
+def test_passes_of_a_stage_run_in_the_given_order(mlp):
+    order = []
+
+    def make(name):
+        return trace_pass(lambda t: (order.append(name), t.derive(t.editable(), by=name))[1], name=name)
+
+    cm = pipeline.jit(mlp, executors=["torch"], transforms=[make("b"), make("a")])
+    with torch.no_grad():
+        cm(torch.randn(2, 16))
+    assert order == ["b", "a"]
+    assert [s.name for s in pipeline.last_traces(cm)[-1].provenance] == [
+        "capture", "lower (inference)", "b", "a", "dispatch"]
+
+
+def test_plain_function_is_a_pass_and_gets_recorded(mlp):
+    def identity(trace):
+        return trace
+    cm = pipeline.jit(mlp, executors=["torch"], transforms=[identity])
+    with torch.no_grad():
+        cm(torch.randn(2, 16))
+    assert "identity" in [s.name for s in pipeline.last_traces(cm)[-1].provenance]
+
+
+def test_pass_that_mutates_its_input_is_an_error(mlp):
+    def vandal(trace):
+        for node in trace.graph.nodes:
+            if node.target is torch.ops.aten.gelu.default:
+                node.target = torch.ops.aten.relu.default
+        return trace
+    cm = pipeline.jit(mlp, executors=["torch"], transforms=[vandal])
+    with pytest.raises(pipeline.PassError, match="changed its input trace"):
+        cm(torch.randn(2, 16))
+
+
+def test_pass_that_returns_no_trace_is_an_error(mlp):
+    cm = pipeline.jit(mlp, executors=["torch"], transforms=[lambda t: t.module])
+    with pytest.raises(pipeline.PassError, match="returned GraphModule, not a Trace"):
+        cm(torch.randn(2, 16))
+
+
+def test_unknown_pass_stage_is_an_error():
+    with pytest.raises(ValueError, match="runs_on must be one of"):
+        trace_pass(lambda t: t, runs_on="whenever")
