@@ -34,8 +34,10 @@ class PassError(RuntimeError):
 class PipelineBackend:
     """A `torch.compile` backend bound to one jitted model's state."""
 
-    def __init__(self, state):
+    def __init__(self, state, *, level: str = "torch", capture: str = "capture"):
         self.state = state
+        self.level = level        # "torch" for Dynamo graphs, "aten" for graphs traced with make_fx
+        self.capture = capture    # the provenance name of the capture step
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence):
         state = self.state
@@ -64,8 +66,8 @@ class PipelineBackend:
                 node.meta["val"] = node.meta["example_value"]
         specs = captured_input_specs(gm, example_inputs, state.owners)
         outputs = [OutputSpec("user_output")] * _num_outputs(gm)
-        captured = record.add_trace(Trace(gm, name=f"{record.graph_id}_captured", level="torch",
-                                          inputs=specs, outputs=outputs, provenance=(Step("capture"),)))
+        captured = record.add_trace(Trace(gm, name=f"{record.graph_id}_captured", level=self.level,
+                                          inputs=specs, outputs=outputs, provenance=(Step(self.capture),)))
         trace = self._run_passes("before_autodiff", captured, record)
         stage = functools.partial(self._lower_stage, record=record, captured=trace)
         start = time.perf_counter()

@@ -18,6 +18,7 @@ from executors import Executor, resolve
 from transforms import TracePass, as_pass
 
 from .compiler import PassError, PipelineBackend
+from .grad_capture import GradCapture, differentiates_inside
 from .record import GraphRecord
 
 
@@ -61,8 +62,11 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
     state = CompileState(executors=resolve(executors), passes=[as_pass(t) for t in transforms],
                          owners=_owners(model_or_fn), fullgraph=fullgraph)
-    runner = torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=fullgraph,
-                           dynamic=dynamic)
+    if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
+        runner = GradCapture(model_or_fn, state)
+    else:
+        runner = torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=fullgraph,
+                               dynamic=dynamic)
     if isinstance(model_or_fn, torch.nn.Module):
         return JittedModule(model_or_fn, runner, state)
     return JittedFunction(model_or_fn, runner, state)

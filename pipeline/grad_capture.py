@@ -1,0 +1,141 @@
+"""Capture for models that differentiate inside forward (`torch.autograd.grad(..., create_graph=True)`,
+e.g. forces = -dE/dpositions in an interatomic potential).
+
+Dynamo breaks the graph at `autograd.grad`, and AOTAutograd cannot differentiate a graph that calls
+it. Instead, the forward is traced with `make_fx`, which runs the autograd engine on fake tensors and
+records the inner gradient computation as ordinary ATen ops: the forces become an explicit graph that
+AOTAutograd differentiates again for the parameters (double backward), and that executors compile.
+
+The trap: the engine hands saved activations to backward formulas through `aten.detach`, so the
+traced graph cuts the dependence of the forces on the parameters there, and differentiating it gives
+plausible but wrong parameter gradients. In eager, `create_graph=True` keeps that dependence; so those
+detaches are removed. Detaches the user wrote are marked while tracing and kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+import dis
+import types
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from .compiler import PipelineBackend
+
+
+def differentiates_inside(model_or_fn) -> bool:
+    """Whether the forward code (of the module and its submodules, or the function) calls
+    `autograd.grad`: a scan of the code objects for the attribute `grad` next to `autograd`."""
+    if isinstance(model_or_fn, torch.nn.Module):
+        codes = {type(m).forward.__code__ for m in model_or_fn.modules()
+                 if isinstance(getattr(type(m), "forward", None), types.FunctionType)}
+    else:
+        codes = {getattr(model_or_fn, "__code__", None)} - {None}
+    return any(_calls_autograd_grad(c) for c in codes)
+
+
+def _calls_autograd_grad(code: types.CodeType) -> bool:
+    names = set(code.co_names)
+    if "autograd" in names and "grad" in names:
+        return True
+    return any(_calls_autograd_grad(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+@torch.library.custom_op("pipeline::user_detach", mutates_args=())
+def _user_detach(x: torch.Tensor) -> torch.Tensor:
+    """Marks a detach the user wrote, while tracing; replaced by `aten.detach` right after."""
+    return x.detach().clone()
+
+
+@_user_detach.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _MarkUserDetach(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.detach, torch.detach):
+            # the inner detach is the engine-like one (removed); the marker becomes the real detach
+            return _user_detach(args[0].detach())
+        return func(*args, **(kwargs or {}))
+
+
+def trace_through_grad(fn: Callable, example_inputs: list) -> fx.GraphModule:
+    """`make_fx` of `fn` on fake copies of `example_inputs`, the engine's detaches removed."""
+    with torch.enable_grad(), _MarkUserDetach():
+        gm = make_fx(fn, tracing_mode="fake")(*example_inputs)
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.pipeline.user_detach.default:
+            node.target = torch.ops.aten.detach.default
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+@dataclasses.dataclass
+class _Entry:
+    compiled: Callable
+    out_spec: Any
+
+
+class GradCapture:
+    """Callable that compiles and runs a model through `trace_through_grad`, one compilation per
+    input signature (shapes, dtypes, requires_grad, grad mode, train/eval)."""
+
+    def __init__(self, model_or_fn, state):
+        self.target, self.state = model_or_fn, state
+        self.cache: dict[tuple, _Entry] = {}
+
+    def __call__(self, *args, **kwargs):
+        module = self.target if isinstance(self.target, torch.nn.Module) else None
+        params = dict(module.named_parameters()) if module is not None else {}
+        buffers = dict(module.named_buffers()) if module is not None else {}
+        flat_args, in_spec = pytree.tree_flatten((args, kwargs))
+        key = (in_spec, torch.is_grad_enabled(), getattr(module, "training", None),
+               tuple(_signature(v) for v in [*params.values(), *buffers.values(), *flat_args]))
+        entry = self.cache.get(key)
+        if entry is None:
+            if self.cache:
+                self.state.recompiles += 1
+            entry = self.cache[key] = self._compile(params, buffers, flat_args, in_spec)
+        tensors = [*params.values(), *buffers.values(), *(a for a in flat_args if isinstance(a, torch.Tensor))]
+        return pytree.tree_unflatten(list(entry.compiled(*tensors)), entry.out_spec)
+
+    def _compile(self, params, buffers, flat_args, in_spec) -> _Entry:
+        names = [*params, *buffers]
+        tensor_positions = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
+        out_spec = []
+
+        def flat_forward(*tensors):
+            state = dict(zip(names, tensors[:len(names)]))
+            filled = list(flat_args)
+            for i, t in zip(tensor_positions, tensors[len(names):]):
+                filled[i] = t
+            args, kwargs = pytree.tree_unflatten(filled, in_spec)
+            if isinstance(self.target, torch.nn.Module):
+                out = torch.func.functional_call(self.target, state, args, kwargs)
+            else:
+                out = self.target(*args, **kwargs)
+            flat_out, spec = pytree.tree_flatten(out)
+            out_spec.append(spec)
+            return flat_out
+
+        inputs = [*params.values(), *buffers.values(), *(flat_args[i] for i in tensor_positions)]
+        gm = trace_through_grad(flat_forward, inputs)
+        backend = PipelineBackend(self.state, level="aten", capture="capture (make_fx through autograd.grad)")
+        return _Entry(backend(gm, inputs), out_spec[-1])
+
+
+def _signature(v):
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype, v.device, v.requires_grad)
+    return (type(v), v)
