@@ -26,8 +26,8 @@ def verify(trace: Trace) -> Trace:
                 raise TraceError(f"{where}: node {node.name!r} uses {used.name!r} from another graph")
             if used not in seen:
                 raise TraceError(f"{where}: node {node.name!r} uses {used.name!r} before it is defined")
-        if node.op not in ("output",) and node.users and node_value(node) is None \
-                and node.op != "get_attr":
+        if node.op not in ("output", "get_attr") and node.users \
+                and "val" not in node.meta and "example_value" not in node.meta:
             raise TraceError(f"{where}: node {node.name!r} ({node.format_node()}) has no shape/dtype "
                              f"metadata (meta['val']); passes must set it on the nodes they create")
         seen.add(node)

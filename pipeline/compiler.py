@@ -89,7 +89,9 @@ class PipelineBackend:
         passes = [p for p in self.state.passes if p.runs_on == "joint"]
         if passes:
             trace = Trace(joint, name=f"{record.graph_id}_joint", level="aten",
-                          inputs=lowered_input_specs(joint, captured.inputs, "joint"), outputs=(),
+                          inputs=lowered_input_specs(joint, captured.inputs, "joint"),
+                          outputs=lowered_output_specs(joint, captured.inputs, "joint",
+                                                       num_forward_outputs=kwargs["num_fwd_outputs"]),
                           provenance=captured.provenance + (Step("lower (joint)"),))
             trace = self._run_passes("joint", record.add_trace(trace), record)
             joint = trace.module

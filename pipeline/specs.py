@@ -31,22 +31,39 @@ def lowered_input_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage
     values and tangents (backward)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if stage == "backward":
-        return [InputSpec("tangent" if n.name.startswith("tangents") else "saved", n.name)
-                for n in placeholders]
+        return [_backward_input_spec(n, captured) for n in placeholders]
     out = []
     for i, n in enumerate(placeholders):
+        if n.name.startswith("tangents"):
+            out.append(InputSpec("tangent", n.name))
+            continue
         c = captured[i] if i < len(captured) else InputSpec("user_input", n.name)
         out.append(InputSpec(c.kind, n.name, c.qualname))
     return out
 
 
+def _backward_input_spec(node: fx.Node, captured: Sequence[InputSpec]) -> InputSpec:
+    """A backward input is a tangent, a forward input saved for backward (AOTAutograd names those
+    primals_<k>: it keeps the qualified name), or a saved activation."""
+    if node.name.startswith("tangents"):
+        return InputSpec("tangent", node.name)
+    if node.name.startswith("primals_") and node.name[8:].isdigit():
+        k = int(node.name[8:]) - 1
+        if k < len(captured):
+            return InputSpec("saved", node.name, captured[k].qualname or captured[k].name)
+    return InputSpec("saved", node.name)
+
+
 def lowered_output_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: str,
-                         fw_metadata) -> list[OutputSpec]:
+                         fw_metadata=None, num_forward_outputs: int = 0) -> list[OutputSpec]:
     """Specs of an AOTAutograd graph's outputs, read from AOTAutograd's view/mutation metadata."""
     out = list(gm.graph.output_node().args[0]) if hasattr(gm.graph, "output_node") else \
         list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
     if stage == "backward":
         return [OutputSpec("grad", _label(captured[i]) if i < len(captured) else None)
+                for i in range(len(out))]
+    if stage == "joint":
+        return [OutputSpec("forward_output" if i < num_forward_outputs else "grad")
                 for i in range(len(out))]
     specs: list[OutputSpec] = []
     if fw_metadata is not None:

@@ -1,4 +1,7 @@
-"""Transforms: trace passes (Trace -> Trace) and, later, model-changing transforms."""
+"""Transforms: trace passes (Trace -> Trace), each declaring where in the pipeline it runs."""
 from .base import STAGES, TracePass, as_pass, trace_pass
+from .checkpoint import checkpoint
+from .cpu_offload import cpu_offload
+from .mixed_precision import mixed_precision
 
-__all__ = ["TracePass", "trace_pass", "as_pass", "STAGES"]
+__all__ = ["TracePass", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload"]

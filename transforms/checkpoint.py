@@ -1,0 +1,88 @@
+"""`checkpoint(policy)`: activation checkpointing, as tags on the joint graph.
+
+Runs on the joint forward+backward graph before it is partitioned. It marks each forward op
+`MUST_SAVE` (kept from forward to backward) or recompute (done again in backward), in the
+`node.meta["recompute"]` tags AOTAutograd's min-cut partitioner honours — the same tags
+`torch.utils.checkpoint`'s selective policies produce.
+
+    "full"       recompute every forward op; only the graph inputs are saved
+    "selective"  save matmul / convolution / attention outputs, recompute pointwise ops and norms
+    predicate    `policy(node) -> bool`, True to save that op's output
+
+Random ops are always saved: recomputing them would draw new numbers.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable, Union
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ir import Trace
+
+from .base import TracePass
+
+aten = torch.ops.aten
+
+EXPENSIVE = {
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._convolution,
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
+    aten._flash_attention_forward, aten._efficient_attention_forward,
+}
+
+
+def is_expensive(node: fx.Node) -> bool:
+    """Matmuls, convolutions and attention: what the selective policy saves."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket in EXPENSIVE
+
+
+def checkpoint(policy: Union[str, Callable[[fx.Node], bool]] = "selective") -> TracePass:
+    """A joint-graph pass choosing, per forward op, whether its output is saved or recomputed."""
+    if policy == "full":
+        save, recompute, label = (lambda node: False), CheckpointPolicy.MUST_RECOMPUTE, "full"
+    elif policy == "selective":
+        save, recompute, label = is_expensive, CheckpointPolicy.PREFER_RECOMPUTE, "selective"
+    elif callable(policy):
+        save, recompute = policy, CheckpointPolicy.PREFER_RECOMPUTE
+        label = getattr(policy, "__name__", "predicate")
+    else:
+        raise ValueError(f"checkpoint: policy must be 'full', 'selective' or a function node -> bool "
+                         f"(True to save), got {policy!r}")
+    name = f"checkpoint({label})"
+
+    def apply(trace: Trace) -> Trace:
+        gm = trace.editable()
+        for node in forward_ops(gm, trace):
+            if node.target is operator.getitem:
+                node.meta["recompute"] = node.args[0].meta.get("recompute")
+            elif _is_random(node) or save(node):
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            else:
+                node.meta["recompute"] = recompute
+        return trace.derive(gm, by=name)
+
+    return TracePass(apply, runs_on="joint", name=name)
+
+
+def forward_ops(gm: fx.GraphModule, trace: Trace) -> list[fx.Node]:
+    """The ops the forward outputs depend on (the joint trace's outputs say which are forward)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    n_forward = sum(1 for s in trace.outputs if s.kind == "forward_output")
+    stack = [a for a in output.args[0][:n_forward] if isinstance(a, fx.Node)]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return [n for n in gm.graph.nodes if n in seen and n.op == "call_function"]
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags

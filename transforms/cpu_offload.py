@@ -1,0 +1,97 @@
+"""`cpu_offload()`: saved activations wait for the backward in CPU memory instead of the device's.
+
+Runs after autodiff. On the forward trace, every saved activation (a forward output kept for
+backward that is not a graph input) of at least `min_bytes` is copied to the CPU at the end of the
+forward — into pinned memory, asynchronously, when it lives on CUDA. On the backward trace the same
+values (AOTAutograd names them alike on both sides) arrive on the CPU and are copied back to their
+device right before their first use (forward and backward list the saved values in the same
+order, so both sides pick the same ones by the same rule). Both copies are ordinary `aten._to_copy` ops in the traces.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ir import Trace, node_value
+
+from .base import TracePass
+
+aten = torch.ops.aten
+
+
+def cpu_offload(min_bytes: int = 1 << 16) -> TracePass:
+    """An after-autodiff pass offloading saved activations of at least `min_bytes` to the CPU."""
+    if not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"cpu_offload: min_bytes must be a non-negative int, got {min_bytes!r}")
+
+    def offloaded(value) -> bool:
+        return isinstance(value, torch.Tensor) and _nbytes(value) >= min_bytes
+
+    def apply(trace: Trace) -> Trace:
+        stage = trace.name.rsplit("_", 1)[-1]
+        if stage == "forward":
+            gm = _offload_saved_outputs(trace, offloaded)
+        elif stage == "backward":
+            gm = _reload_saved_inputs(trace, offloaded)
+        else:
+            return trace
+        return trace.derive(gm, by="cpu_offload")
+
+    return TracePass(apply, runs_on="after_autodiff", name="cpu_offload")
+
+
+def _offload_saved_outputs(trace: Trace, offloaded) -> fx.GraphModule:
+    gm = trace.editable()
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    for i, (value, spec) in enumerate(zip(values, trace.outputs)):
+        if spec.kind != "saved" or not isinstance(value, fx.Node) or value.op == "placeholder":
+            continue
+        fake = node_value(value)
+        if not offloaded(fake):
+            continue
+        on_cuda = fake.device.type == "cuda"
+        with gm.graph.inserting_before(output):
+            copy = gm.graph.call_function(aten._to_copy.default, (value,), {
+                "device": torch.device("cpu"), "pin_memory": on_cuda, "non_blocking": on_cuda})
+        copy.meta["val"] = _on_device(fake, torch.device("cpu"))
+        values[i] = copy
+    output.args = (tuple(values),)
+    gm.recompile()
+    return gm
+
+
+def _reload_saved_inputs(trace: Trace, offloaded) -> fx.GraphModule:
+    gm = trace.editable()
+    for node, spec in zip(list(gm.graph.nodes), trace.inputs):
+        if node.op != "placeholder" or spec.kind != "saved" or spec.qualname is not None:
+            continue
+        fake = node_value(node)
+        if not offloaded(fake) or not node.users:
+            continue
+        first_use = min(node.users, key=_position(gm))
+        with gm.graph.inserting_before(first_use):
+            reload = gm.graph.call_function(aten._to_copy.default, (node,), {
+                "device": fake.device, "non_blocking": fake.device.type == "cuda"})
+        reload.meta["val"] = fake
+        node.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)
+        node.meta["val"] = _on_device(fake, torch.device("cpu"))
+    gm.recompile()
+    return gm
+
+
+def _position(gm: fx.GraphModule):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return order.__getitem__
+
+
+def _on_device(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
+    with fake.fake_mode:
+        return torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=device)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.numel()) * t.element_size()
+    except Exception:  # symbolic sizes: offload
+        return 1 << 62

@@ -1,0 +1,78 @@
+"""`mixed_precision(dtype)`: compute in bf16/fp16 with fp32 master parameters, op by op as
+`torch.autocast` would.
+
+Runs before autodiff on the captured trace: it wraps the whole program in an autocast region (the
+same `_enter_autocast` / `_exit_autocast` nodes Dynamo records for a `with torch.autocast(...)`
+block). Lowering then applies autocast's own op policy at the dispatcher — matmuls, convolutions and
+attention in low precision; reductions, softmax, norms and losses where autocast keeps them in
+fp32 — so the lowered trace shows every cast explicitly, and the backward derived from it carries
+gradients back to the fp32 parameters through those casts.
+
+One difference from eager autocast: Python code that reads a dtype while tracing (`t.to(x.dtype)`)
+was specialized at capture, before this pass, so it sees fp32 where eager autocast would see bf16.
+Such values stay in fp32 until the next op autocast casts (more precise, not bit-identical).
+
+fp16 needs loss scaling against underflowing gradients: use `torch.amp.GradScaler` as in eager,
+`scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` — the jitted model's gradients
+land in `.grad` like eager's, so the scaler works unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from ir import Trace, node_value
+
+from .base import TracePass
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def mixed_precision(dtype: str = "bf16") -> TracePass:
+    """A before-autodiff pass computing in `dtype` ("bf16" or "fp16") where autocast would."""
+    if dtype not in DTYPES:
+        raise ValueError(f"mixed_precision: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    low = DTYPES[dtype]
+    name = f"mixed_precision({dtype})"
+
+    def apply(trace: Trace) -> Trace:
+        gm = trace.editable()
+        graph = gm.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        device = _device_type(placeholders)
+        first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first_op):
+            enter = graph.call_function(torch.amp.autocast_mode._enter_autocast, (device, low, True, None))
+        enter.meta["val"] = None
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        with graph.inserting_before(output):
+            leave = graph.call_function(torch.amp.autocast_mode._exit_autocast, (enter,))
+        leave.meta["val"] = None
+        gm.recompile()
+        _propagate_metadata(gm, placeholders)
+        return trace.derive(gm, by=name)
+
+    return TracePass(apply, runs_on="before_autodiff", name=name)
+
+
+def _propagate_metadata(gm, placeholders) -> None:
+    """Recomputes every node's fake value under the new autocast region, so the trace's comments
+    show the dtypes the program will really have."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    values = [node_value(n) for n in placeholders]
+    modes = {id(v.fake_mode): v.fake_mode for v in values if hasattr(v, "fake_mode")}
+    if len(modes) != 1 or any(v is None for v in values):
+        return  # keep the captured metadata rather than mix fake modes
+    fake_mode = next(iter(modes.values()))
+    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*values)
+    for node in gm.graph.nodes:
+        if "example_value" in node.meta and "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+
+
+def _device_type(placeholders) -> str:
+    for node in placeholders:
+        value = node_value(node)
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.device.type
+    return "cpu"
