@@ -26,6 +26,12 @@ class InductorExecutor(Executor):
     def __init__(self, fallback_random: bool = False):
         self.fallback_random = fallback_random
 
+    def options(self, *, fallback_random: bool = False) -> "InductorExecutor":
+        """This executor with Inductor options. `fallback_random=True` runs random ops (dropout)
+        with eager's kernels, so they draw the same numbers as eager under the same seed; the
+        default (False, as in torch.compile) generates them in Inductor's own kernels."""
+        return InductorExecutor(fallback_random=fallback_random)
+
     def unavailable_reason(self) -> str | None:
         try:
             import torch._inductor.compile_fx  # noqa: F401
@@ -38,13 +44,14 @@ class InductorExecutor(Executor):
     def claims_op(self, op, node: fx.Node) -> bool:
         if is_symbolic_glue(op):
             return True
-        return op in _lowerings() or op in _decompositions()
+        return op in _lowerings() or op in _decompositions(self.fallback_random)
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx_inner
 
-        decomposed = _inductor_decomposed(gm, example_inputs)
+        with config.patch(fallback_random=self.fallback_random):
+            decomposed = _inductor_decomposed(gm, example_inputs)
         # No channels-last layout choices of Inductor's own: other regions consume these outputs
         # with the strides the trace promises.
         with config.patch(fallback_random=self.fallback_random, layout_optimization=False):
@@ -95,11 +102,13 @@ def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.Gra
     """The region re-traced with Inductor's own decompositions, which `compile_fx_inner` expects
     to have run (inside torch.compile, AOTAutograd applies them)."""
     from torch._guards import detect_fake_mode
+    from torch._inductor import config
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = detect_fake_mode(list(example_inputs))
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        return make_fx(gm, decomposition_table=_decompositions(), tracing_mode="real")(*example_inputs)
+        return make_fx(gm, decomposition_table=_decompositions(config.fallback_random),
+                       tracing_mode="real")(*example_inputs)
 
 
 @functools.cache
@@ -109,9 +118,11 @@ def _lowerings():
 
 
 @functools.cache
-def _decompositions():
+def _decompositions(fallback_random: bool):
+    from torch._inductor import config
     from torch._inductor.decomposition import select_decomp_table
-    return select_decomp_table()
+    with config.patch(fallback_random=fallback_random):
+        return select_decomp_table()
 
 
 inductor_executor = InductorExecutor()

@@ -1,0 +1,110 @@
+"""OpInfo differential suite: every op of PyTorch's `op_db` through pipeline.jit against eager,
+forward outputs and input gradients, per executor.
+
+A fast subset runs in CI; `pytest -m slow tests/test_opinfo.py` sweeps all of `op_db`.
+"""
+import pytest
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.utils import _pytree as pytree
+
+import pipeline
+
+FAST_TORCH = {
+    "abs", "add", "addmm", "amax", "bmm", "cat", "clamp", "cos", "cumsum", "div", "exp", "expand",
+    "gather", "index_select", "log_softmax", "masked_fill", "matmul", "max", "mean", "mm", "mul",
+    "nn.functional.conv2d", "nn.functional.cross_entropy", "nn.functional.embedding",
+    "nn.functional.gelu", "nn.functional.layer_norm", "nn.functional.linear", "nn.functional.relu",
+    "nn.functional.scaled_dot_product_attention", "nn.functional.silu", "permute", "pow", "reshape",
+    "rsqrt", "sigmoid", "softmax", "split", "sqrt", "stack", "sub", "sum", "tanh", "transpose",
+    "var_mean", "where",
+}
+FAST_INDUCTOR = {"add", "mm", "nn.functional.gelu", "nn.functional.layer_norm", "softmax", "where"}
+
+
+def _ops(names=None):
+    seen, out = set(), []
+    for op in op_db:
+        key = (op.name, op.variant_test_name)
+        if key in seen or (names is not None and (op.name not in names or op.variant_test_name)):
+            continue
+        if torch.float32 not in op.supported_dtypes("cpu"):
+            continue
+        seen.add(key)
+        out.append(pytest.param(op, id=op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")))
+    return out
+
+
+def check_op(op, executor):
+    """Runs the op's first float32 sample in eager and through pipeline.jit; compares outputs and
+    input gradients."""
+    if torch.Tag.nondeterministic_seeded in getattr(op.op, "tags", ()) or op.name in _RANDOM:
+        pytest.skip("random op: outputs differ by design")
+    samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=op.supports_autograd))
+    if not samples:
+        pytest.skip("op_db has no float32 sample on the CPU")
+    sample = samples[0]
+    flat, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+
+    def fn(*tensors):
+        filled = list(flat)
+        for i, t in zip(positions, tensors):
+            filled[i] = t
+        inp, args, kwargs = pytree.tree_unflatten(filled, spec)
+        return op.op(inp, *args, **kwargs)
+
+    def run(f):
+        tensors = [flat[i].detach().clone().requires_grad_(flat[i].requires_grad) for i in positions]
+        out = f(*tensors)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        grads = []
+        differentiable = [o for o in outs if o.requires_grad and o.is_floating_point()]
+        wants = [t for t in tensors if t.requires_grad]
+        if differentiable and wants:
+            loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in differentiable)
+            grads = torch.autograd.grad(loss, wants, allow_unused=True)
+        return [o.detach() for o in outs], grads
+
+    expected_out, expected_grads = run(fn)
+    out, grads = run(pipeline.jit(fn, executors=[executor]))
+    assert len(out) == len(expected_out)
+    for a, b in zip(out, expected_out):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=1.3e-6 if executor == "torch" else 1e-4,
+                                   atol=1e-5 if executor == "torch" else 1e-4)
+    for a, b in zip(grads, expected_grads):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-4, atol=1e-4)
+
+
+_RANDOM = {"bernoulli", "normal", "rand_like", "randn_like", "randint_like", "multinomial",
+           "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
+           "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout", "uniform",
+           "nn.functional.rrelu", "empty", "empty_like", "empty_strided", "new_empty",
+           "new_empty_strided", "empty_permuted", "cauchy", "exponential", "geometric", "log_normal"}
+
+
+@pytest.mark.parametrize("op", _ops(FAST_TORCH))
+def test_op_torch_executor(op):
+    check_op(op, "torch")
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("op", _ops(FAST_INDUCTOR))
+def test_op_inductor(op):
+    check_op(op, "inductor")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", _ops())
+def test_op_sweep_torch_executor(op):
+    check_op(op, "torch")
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.parametrize("op", _ops())
+def test_op_sweep_inductor(op):
+    check_op(op, "inductor")
