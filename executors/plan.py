@@ -24,15 +24,24 @@ from .torch_executor import torch_executor
 
 
 class CompiledRegion(torch.nn.Module):
-    """One region as it runs: the executor's compiled callable, named for the region."""
+    """One region as it runs: the executor's compiled callable, named for the region.
+
+    While `CompiledRegion.profiling` is set (by `pipeline.profile`), each call is a named range
+    (`region3:inductor`) in the profiler's timeline and chrome trace."""
+
+    profiling = False
 
     def __init__(self, fn: Callable, region: Region, source: fx.GraphModule):
         super().__init__()
         self.fn = fn
         self.region = region
         self.source = source  # the region's ATen graph, for inspection
+        self.label = f"region{region.id}:{region.executor}"
 
     def forward(self, *args):
+        if CompiledRegion.profiling:
+            with torch.profiler.record_function(self.label):
+                return self.fn(*args)
         return self.fn(*args)
 
     def extra_repr(self) -> str:

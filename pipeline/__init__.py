@@ -8,6 +8,7 @@
 from .compiler import PassError
 from .inspect import CompileStats, Explanation, RegionTable, compile_stats, explain, last_traces, regions
 from .jit import GraphBreakError, JittedFunction, JittedModule, jit
+from .profile import profile
 
-__all__ = ["jit", "regions", "last_traces", "compile_stats", "explain", "GraphBreakError", "PassError",
+__all__ = ["jit", "profile", "regions", "last_traces", "compile_stats", "explain", "GraphBreakError", "PassError",
            "JittedModule", "JittedFunction", "RegionTable", "CompileStats", "Explanation"]

@@ -160,3 +160,14 @@ def test_lowering_failure_runs_the_graph_in_eager_with_the_reason(mlp, monkeypat
         out = cm(x)
     assert torch.equal(out, mlp(x))
     assert "no lowering for this construct" in pipeline.compile_stats(cm).eager_fallbacks["g0"]
+
+
+def test_profile_times_every_region_by_name(mlp, tmp_path):
+    import json
+    cm = pipeline.jit(mlp, executors=["torch"])
+    table = pipeline.profile(cm, torch.randn(4, 16), chrome_trace=str(tmp_path / "trace.json"))
+    assert [(r.stage, r.executor, r.calls) for r in table] == [("forward", "torch", 1), ("backward", "torch", 1)]
+    assert all(r.ms > 0 for r in table)
+    names = {e.get("name") for e in json.load(open(tmp_path / "trace.json"))["traceEvents"]}
+    assert {"region0:torch", "region1:torch"} <= names
+    assert "total in regions" in str(table)

@@ -1,0 +1,71 @@
+"""`pipeline.profile(cm, *args)`: time spent in each region, from the torch profiler.
+
+Each compiled region runs inside a named range (`region3:inductor`), so its time shows in the
+profiler's table and, with `chrome_trace=path`, in a chrome://tracing / Perfetto timeline.
+On CUDA the time is device (kernel) time, on the CPU host time.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile as torch_profile
+
+from executors import CompiledRegion
+
+from .inspect import RegionTable, _clip, _summarize, regions
+
+
+@dataclasses.dataclass
+class RegionTime:
+    id: int
+    stage: str
+    executor: str
+    ops: str
+    calls: int
+    ms: float
+
+
+class ProfileTable(list):
+    def __str__(self) -> str:
+        rows = [("id", "stage", "executor", "calls", "ms", "ops")]
+        rows += [(str(r.id), r.stage, r.executor, str(r.calls), f"{r.ms:.3f}", r.ops) for r in self]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        total = sum(r.ms for r in self)
+        return "\n".join(lines + [f"total in regions: {total:.3f} ms"])
+
+    __repr__ = __str__
+
+
+def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None, **kwargs) -> ProfileTable:
+    """Runs `cm(*args, **kwargs)` once (and the backward of its output's sum when it requires grad
+    and `backward` is set) under the profiler; returns the time per region."""
+    table: RegionTable = regions(cm)
+    cm(*args, **kwargs)  # compile first, so compilation is not profiled
+    use_cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+    CompiledRegion.profiling = True
+    try:
+        with torch_profile(activities=activities) as prof:
+            out = cm(*args, **kwargs)
+            if backward and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.float().sum().backward()
+            if use_cuda:
+                torch.cuda.synchronize()
+    finally:
+        CompiledRegion.profiling = False
+    if chrome_trace:
+        prof.export_chrome_trace(chrome_trace)
+    by_label = {e.key: e for e in prof.key_averages()}
+    result = ProfileTable()
+    for r in regions(cm) or table:
+        event = by_label.get(f"region{r.id}:{r.executor}")
+        if event is None:
+            continue
+        micros = getattr(event, "device_time_total", 0) if use_cuda else event.cpu_time_total
+        result.append(RegionTime(r.id, r.stage, r.executor, _clip(_summarize(r.ops), 50), event.count,
+                                 micros / 1e3))
+    return result
