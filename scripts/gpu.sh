@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# GPU runs, in two places.
+#
+#   scripts/gpu.sh pack        on a CPU machine with PyPI, from the project root: builds the device
+#                              bundle .device/ (nvFuser + Transformer Engine, ../shared/device/pack.sh)
+#                              and .whl/ (small wheels the GPU image lacks). Both are git-ignored.
+#   scripts/gpu.sh tests       on the GPU machine: every test — the `cuda`-marked ones and the CPU suite
+#                              under that machine's torch (2.11).
+#   scripts/gpu.sh bench [..]  on the GPU machine: benchmarks/train_gpu.py (arguments passed on).
+#
+# With this workplace's device tool: run(command="scripts/gpu.sh tests", carry=[".device", ".whl"]).
+# Results also land in $OUT (when set): tests.log, bench.log, bench.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-tests}; shift || true
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+
+if [ "$what" = pack ]; then
+  set -e
+  ../shared/device/pack.sh .device
+  mkdir -p .whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 --platform any -d .whl expecttest==0.3.0
+  exit 0
+fi
+
+if [ -f .device/setup.sh ]; then source .device/setup.sh; else echo "no .device bundle: nvFuser and TE rows will be skipped"; fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/whl .whl/*.whl
+  export PYTHONPATH=/tmp/whl:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+
+case "$what" in
+  tests) python3 -m pytest -q -x --timeout 1200 -p no:cacheprovider "$@" tests/ 2>&1 | tee "$OUT/tests.log" ;;
+  bench) python3 benchmarks/train_gpu.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" ;;
+  *) echo "usage: scripts/gpu.sh pack|tests|bench [args]"; exit 2 ;;
+esac
