@@ -1,13 +1,15 @@
 """Executors: the `Executor` protocol, the dispatcher, and the executors themselves.
 
-`from executors import torch, inductor` gives executor objects (the modules implementing them are
+`from executors import te, nvfuser, inductor, torch` gives executor objects (the modules implementing them are
 named `*_executor`, so importing a submodule never shadows these names).
 """
 from .base import Executor
 from .torch_executor import torch_executor as torch
 from .inductor_executor import inductor_executor as inductor
+from .nvfuser_executor import nvfuser_executor as nvfuser
+from .te_executor import te_executor as te
 from .plan import CompiledRegion, Execution, dispatch
 from .registry import known_executors, resolve
 
-__all__ = ["Executor", "torch", "inductor", "dispatch", "Execution", "CompiledRegion", "resolve",
+__all__ = ["Executor", "torch", "inductor", "nvfuser", "te", "dispatch", "Execution", "CompiledRegion", "resolve",
            "known_executors"]

@@ -38,6 +38,11 @@ class Executor:
         """Whether this executor runs the call_function `node` as it stands."""
         return node.op == "call_function" and self.claims_op(node.target, node)
 
+    def prepare(self, trace):
+        """Before autodiff, on the captured trace: swap ops this executor must receive whole (e.g. a
+        linear with its own backward) for custom ops. Returns (trace, [(op, why it was left alone)])."""
+        return trace, []
+
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence) -> RegionFn:
         """Compiles a region (an ATen graph returning a tuple) into `fn(*args) -> tuple`.
 

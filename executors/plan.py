@@ -8,6 +8,7 @@ execution trace (one `call_module` per region, printable and runnable) plus a `R
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import time
 from typing import Callable, Sequence
@@ -119,8 +120,35 @@ def _describe(source: fx.GraphModule, rid: int, stage: str, ex_name: str, graph_
     out_node = nodes[-1]
     outs = [describe_value(node_value(a)) if isinstance(a, fx.Node) else repr(a)
             for a in out_node.args[0]]
+    flops = [gemm_flops(n) for n in nodes if n.op == "call_function"]
     return Region(id=rid, stage=stage, executor=ex_name, ops=ops, input_shapes=ins,
-                  output_shapes=outs, graph_id=graph_id)
+                  output_shapes=outs, graph_id=graph_id, gemm_flops=sum(f for f, _ in flops),
+                  fp8_gemm_flops=sum(f for f, fp8 in flops if fp8))
+
+
+def gemm_flops(node: fx.Node) -> tuple[int, bool]:
+    """(matmul FLOPs of `node`, whether they run in fp8); (0, False) for other ops."""
+    aten = torch.ops.aten
+    shapes = [tuple(node_value(a).shape) if isinstance(a, fx.Node) and isinstance(node_value(a), torch.Tensor)
+              else None for a in node.args]
+    try:
+        if node.target in (aten.mm.default, aten.addmm.default):
+            a, b = shapes[-2], shapes[-1]
+            return 2 * a[0] * a[1] * b[1], False
+        if node.target is aten.bmm.default:
+            a, b = shapes
+            return 2 * a[0] * a[1] * a[2] * b[2], False
+        if getattr(node.target, "namespace", None) == "pipeline_te":
+            fp8 = bool(node.args[3])
+            if node.target._opname == "linear":
+                x, w = shapes[0], shapes[1]
+                return 2 * (math.prod(x) // x[-1]) * x[-1] * w[0], fp8
+            dy = shapes[0]
+            k = node_value(node)[0].shape[-1]
+            return 4 * math.prod(dy) * k, fp8
+    except (TypeError, IndexError):  # symbolic sizes: not counted
+        pass
+    return 0, False
 
 
 def _set_region_values(gm: fx.GraphModule) -> None:

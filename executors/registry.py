@@ -8,8 +8,8 @@ from .base import Executor
 
 
 def known_executors() -> dict[str, Executor]:
-    from . import inductor, torch
-    return {e.name: e for e in (torch, inductor)}
+    from . import inductor, nvfuser, te, torch
+    return {e.name: e for e in (torch, inductor, nvfuser, te)}
 
 
 def resolve(executors: Sequence) -> list[Executor]:

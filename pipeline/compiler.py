@@ -68,7 +68,13 @@ class PipelineBackend:
         outputs = [OutputSpec("user_output")] * _num_outputs(gm)
         captured = record.add_trace(Trace(gm, name=f"{record.graph_id}_captured", level=self.level,
                                           inputs=specs, outputs=outputs, provenance=(Step(self.capture),)))
-        trace = self._run_passes("before_autodiff", captured, record)
+        trace = captured
+        for executor in state.executors:  # model-level swaps (stage 2), e.g. TE's linears
+            prepared, notes = executor.prepare(trace)
+            record.fallbacks += notes
+            if prepared is not trace:
+                trace = record.add_trace(prepared)
+        trace = self._run_passes("before_autodiff", trace, record)
         stage = functools.partial(self._lower_stage, record=record, captured=trace)
         start = time.perf_counter()
         inner_before = sum(record.seconds.values())

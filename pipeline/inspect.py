@@ -38,6 +38,11 @@ class RegionTable(list):
 
     __repr__ = __str__
 
+    def fp8_gemm_flop_share(self) -> float | None:
+        """The share of the model's matmul FLOPs that ran in fp8 (None when there are none)."""
+        total = sum(r.gemm_flops for r in self)
+        return sum(r.fp8_gemm_flops for r in self) / total if total else None
+
     def by_executor(self) -> dict[str, int]:
         """Number of ops each executor ran."""
         counts: dict[str, int] = defaultdict(int)

@@ -7,7 +7,7 @@ import torch._dynamo
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_check.sh on the GPU machine")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu.sh tests on the GPU machine")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)

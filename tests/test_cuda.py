@@ -77,3 +77,87 @@ def test_inductor_trains_hf_llama_like_eager():
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-4)
     assert_grads_close(model, eager, 1e-3, 1e-5)
+
+
+def _executors(names):
+    import executors
+    out = []
+    for n in names:
+        if n == "te-fp8":
+            out.append(executors.te.fp8())
+        else:
+            out.append(n)
+    return out
+
+
+def _require(*names):
+    import executors
+    for n in names:
+        ok, reason = getattr(executors, n.split("-")[0]).available()
+        if not ok:
+            pytest.skip(reason)
+
+
+@pytest.mark.parametrize("names", [["nvfuser"], ["te"], ["te", "nvfuser", "inductor"]])
+def test_gpu_executors_train_llama_like_eager_in_bf16(names):
+    _require(*names)
+    model, eager = llama_pair(torch.bfloat16)
+    tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
+    cm = pipeline.jit(model, executors=_executors(names))
+    torch.testing.assert_close(step(cm, tokens), step(eager, tokens), rtol=2e-2, atol=2e-2)
+    assert_grads_close(model, eager, 1e-1, 2e-2)
+    used = {r.executor for r in pipeline.regions(cm)}
+    assert set(names) <= used, (used, str(pipeline.regions(cm)))
+
+
+def test_te_nvfuser_inductor_route_ops_by_priority():
+    _require("te", "nvfuser")
+    model, _ = llama_pair(torch.bfloat16)
+    cm = pipeline.jit(model, executors=["te", "nvfuser", "inductor"])
+    step(cm, torch.randint(0, CONFIG.vocab, (2, 64), device="cuda"))
+    table = pipeline.regions(cm)
+    te_ops = {op for r in table if r.executor == "te" for op in r.ops}
+    assert te_ops == {"pipeline_te.linear", "pipeline_te.linear_backward"}
+    assert not any("linear" in op for r in table if r.executor != "te" for op in r.ops)
+    assert any(r.executor == "nvfuser" and "rsqrt" in r.ops for r in table)
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_te_fp8_trains_close_to_bf16_and_reports_the_fp8_share():
+    _require("te")
+    model, eager = llama_pair(torch.bfloat16)
+    tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
+    cm = pipeline.jit(model, executors=_executors(["te-fp8", "inductor"]))
+    loss, ref = step(cm, tokens), step(eager, tokens)
+    assert abs(loss.item() - ref.item()) < 0.05 * ref.item()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert relative_error(p.grad, q.grad) < 0.25, name
+    assert pipeline.regions(cm).fp8_gemm_flop_share() == 1.0
+
+
+def test_te_fp8_leaves_shapes_it_cannot_take_with_the_reason():
+    _require("te")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.ReLU(), torch.nn.Linear(24, 32)).cuda().bfloat16()
+    cm = pipeline.jit(model, executors=_executors(["te-fp8", "inductor"]))
+    cm(torch.randn(32, 40, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+    reasons = [why for _, op, why in pipeline.compile_stats(cm).op_fallbacks if op == "linear"]
+    assert any("K=40" in why for why in reasons)
+
+
+@pytest.mark.parametrize("names", [["nvfuser"], ["te"], ["te", "nvfuser", "inductor"]])
+def test_gpu_executors_train_hf_llama(names):
+    _require(*names)
+    model = hf_llama().to(torch.bfloat16)
+    eager = copy.deepcopy(model)
+    tokens = torch.randint(0, 512, (2, 64), device="cuda")
+    cm = pipeline.jit(model, executors=_executors(names))
+    loss = cm(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    ref = eager(input_ids=tokens, labels=tokens).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+    assert_grads_close(model, eager, 1e-1, 2e-2)

@@ -1,0 +1,202 @@
+"""The `te` executor: linear layers through Transformer Engine GEMMs, in bf16 or fp8.
+
+After AOTAutograd no `linear` is left, so when `te` is listed the linears of the captured (torch
+level) trace are swapped, before autodiff, for the custom op `pipeline_te::linear`, which carries its
+own autograd: TE's forward GEMM, and TE's own dgrad/wgrad GEMMs in `pipeline_te::linear_backward`.
+AOTAutograd keeps both as single ops, and this operator executor claims them.
+
+    from executors import te
+    pipeline.jit(model, executors=[te, "nvfuser", "inductor"])          # bf16 GEMMs
+    pipeline.jit(model, executors=[te.fp8(), "nvfuser", "inductor"])    # fp8, current scaling
+
+fp8 uses current scaling (`Float8CurrentScaling`, HYBRID format: E4M3 activations and weights,
+E5M2 gradients). The forward quantizes x and W once, with their transposes, and saves those fp8
+copies for the backward GEMMs, so each weight is cast once per step. Shapes TE cannot take in fp8
+(any of M, K, N not divisible by 16) stay ordinary linears, with the reason recorded.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from ir import Trace, node_value
+
+from .base import Executor
+
+_LINEARS = {torch._C._nn.linear, torch.nn.functional.linear}
+
+
+# -- the custom ops ----------------------------------------------------------------------------------
+@torch.library.custom_op("pipeline_te::linear", mutates_args=())
+def te_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8: bool) -> list[torch.Tensor]:
+    """[y] in bf16 mode; [y, x^T fp8, x scale_inv, W^T fp8, W scale_inv] in fp8 mode."""
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+    x2 = x.reshape(-1, x.shape[-1])
+    shape = (*x.shape[:-1], weight.shape[0])
+    if not fp8:
+        y = general_gemm(weight, x2, out_dtype=x.dtype, layout="TN", bias=bias)[0]
+        return [y.view(shape)]
+    xq, wq = _quantizer("e4m3")(x2.contiguous()), _quantizer("e4m3")(weight.contiguous())
+    y = general_gemm(wq, xq, out_dtype=x.dtype, layout="TN", bias=bias, use_split_accumulator=False)[0]
+    return [y.view(shape), xq._transpose, xq._scale_inv, wq._transpose, wq._scale_inv]
+
+
+@te_linear.register_fake
+def _(x, weight, bias, fp8):
+    y = x.new_empty(*x.shape[:-1], weight.shape[0])
+    if not fp8:
+        return [y]
+    m, k, n = x.numel() // x.shape[-1], x.shape[-1], weight.shape[0]
+    u8, f32 = dict(dtype=torch.uint8, device=x.device), dict(dtype=torch.float32, device=x.device)
+    return [y, torch.empty(k, m, **u8), torch.empty(1, **f32), torch.empty(k, n, **u8), torch.empty(1, **f32)]
+
+
+@torch.library.custom_op("pipeline_te::linear_backward", mutates_args=())
+def te_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool, fp8: bool) -> list[torch.Tensor]:
+    """[dx, dW] (+ [db]) from dy and what the forward saved."""
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+    dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+    if not fp8:
+        x, weight = saved
+        x2 = x.reshape(-1, x.shape[-1])
+        dx = general_gemm(weight, dy2, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=True)[0]
+        dw, db = general_gemm(x2, dy2, out_dtype=weight.dtype, layout="NT", grad=True,
+                              bias=dy2[0] if has_bias else None, use_split_accumulator=True)[:2]
+        k = weight.shape[1]
+    else:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+        x_t, x_si, w_t, w_si = saved
+        e4m3 = _te_dtype("e4m3")
+        xq = Float8TensorStorage(data=None, data_transpose=x_t, fp8_scale_inv=x_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
+        wq = Float8TensorStorage(data=None, data_transpose=w_t, fp8_scale_inv=w_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
+        gq = _quantizer("e5m2")
+        if has_bias:
+            db, dyq = tex.bgrad_quantize(dy2, gq)
+        else:
+            db, dyq = None, gq(dy2)
+        dx = general_gemm(wq, dyq, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=True)[0]
+        dw = general_gemm(xq, dyq, out_dtype=dy.dtype, layout="NT", grad=True, use_split_accumulator=True)[0]
+        k = w_t.shape[0]
+    out = [dx.view(*dy.shape[:-1], k), dw]
+    return out + [db.to(dy.dtype)] if has_bias else out
+
+
+@te_linear_backward.register_fake
+def _(dy, saved, has_bias, fp8):
+    k = saved[2].shape[0] if fp8 else saved[1].shape[1]
+    n = dy.shape[-1]
+    out = [dy.new_empty(*dy.shape[:-1], k), dy.new_empty(n, k)]
+    return out + [dy.new_empty(n)] if has_bias else out
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, fp8 = inputs
+    ctx.fp8, ctx.has_bias = fp8, bias is not None
+    ctx.save_for_backward(*(output[1:] if fp8 else (x, weight)))
+
+
+def _backward(ctx, grads):
+    grads = torch.ops.pipeline_te.linear_backward(grads[0], list(ctx.saved_tensors), ctx.has_bias, ctx.fp8)
+    return grads[0], grads[1], (grads[2] if ctx.has_bias else None), None
+
+
+te_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _te_dtype(name: str):
+    import transformer_engine_torch as tex
+    return tex.DType.kFloat8E4M3 if name == "e4m3" else tex.DType.kFloat8E5M2
+
+
+def _quantizer(name: str):
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+    q = Float8CurrentScalingQuantizer(_te_dtype(name), torch.device("cuda"), rowwise=True, columnwise=True)
+    q.internal = True
+    return q
+
+
+# -- the executor ------------------------------------------------------------------------------------
+class TEExecutor(Executor):
+    name = "te"
+    kind = "operator"
+
+    def __init__(self, fp8: bool = False):
+        self.use_fp8 = fp8
+
+    def fp8(self, recipe=None) -> "TEExecutor":
+        """The fp8 variant. `recipe`: None or a `Float8CurrentScaling` (the only recipe supported yet)."""
+        if recipe is not None and type(recipe).__name__ != "Float8CurrentScaling":
+            raise NotImplementedError(f"te.fp8: recipe {type(recipe).__name__} is not supported yet; use "
+                                      f"transformer_engine.common.recipe.Float8CurrentScaling() or None")
+        executor = TEExecutor(fp8=True)
+        executor.name = "te"
+        return executor
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+            from transformer_engine.pytorch.cpp_extensions import general_gemm  # noqa: F401
+        except Exception as e:
+            return (f"transformer_engine.pytorch does not import ({type(e).__name__}: {str(e)[:200]}); "
+                    f"install Transformer Engine on a CUDA machine")
+        if not torch.cuda.is_available():
+            return "Transformer Engine needs a CUDA GPU"
+        return None
+
+    def claims_op(self, op, node: fx.Node) -> bool:
+        return op in (torch.ops.pipeline_te.linear.default, torch.ops.pipeline_te.linear_backward.default)
+
+    def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
+        return gm.forward
+
+    def prepare(self, trace: Trace) -> tuple[Trace, list[tuple[str, str]]]:
+        """Swaps each linear TE can take for `pipeline_te::linear` (before autodiff); returns the new
+        trace and (op, reason) for the linears it left alone."""
+        gm = trace.editable()
+        notes = []
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target not in _LINEARS:
+                continue
+            reason = self._reject(node)
+            if reason:
+                notes.append(("linear", f"te: {reason}; it runs as an ordinary linear"))
+                continue
+            x, w = node.args[0], node.args[1]
+            b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            with gm.graph.inserting_before(node):
+                call = gm.graph.call_function(torch.ops.pipeline_te.linear.default, (x, w, b, self.use_fp8))
+                first = gm.graph.call_function(operator.getitem, (call, 0))
+            y = node_value(node)
+            call.meta["val"] = [y]
+            first.meta["val"] = y
+            if "example_value" in node.meta:
+                first.meta["example_value"] = y
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+        gm.recompile()
+        return trace.derive(gm, by="te.swap_linears" + ("(fp8)" if self.use_fp8 else "")), notes
+
+    def _reject(self, node: fx.Node) -> str | None:
+        x, w = node_value(node.args[0]), node_value(node.args[1])
+        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+            return "linear without tensor metadata"
+        if x.device.type != "cuda":
+            return f"input on {x.device.type}, TE needs CUDA"
+        if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+            return f"dtype {x.dtype}/{w.dtype}: TE linears take bf16 or fp16"
+        if self.use_fp8:
+            m = 1
+            for s in x.shape[:-1]:
+                m = m * s
+            dims = {"M": m, "K": x.shape[-1], "N": w.shape[0]}
+            bad = [f"{k}={v}" for k, v in dims.items() if not isinstance(v, int) or v % 16]
+            if bad:
+                return f"fp8 needs M, K, N divisible by 16, got {', '.join(bad)}"
+        return None
+
+
+te_executor = TEExecutor()
