@@ -33,7 +33,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 
 case "$what" in
-  tests) python3 -m pytest -q -x --timeout 1200 -p no:cacheprovider "$@" tests/ 2>&1 | tee "$OUT/tests.log" ;;
+  tests) python3 -m pytest -q --timeout 600 -p no:cacheprovider "$@" tests/ 2>&1 | tee "$OUT/tests.log" ;;
   bench) python3 benchmarks/train_gpu.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" ;;
   *) echo "usage: scripts/gpu.sh pack|tests|bench [args]"; exit 2 ;;
 esac
