@@ -12,6 +12,7 @@ every result is cast back to the dtype the trace promises (nvFuser computes half
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -61,8 +62,16 @@ class NvFuserExecutor(Executor):
         return check is None or check(node)
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
-        _build(gm, example_inputs)  # fail now, not at the first call, if a translation is missing
-        return _FusionRunner(gm)
+        # Build and run once now on zero-filled inputs, so a missing translation or a kernel nvFuser
+        # cannot compile makes the region fall back to the next executor instead of failing a step.
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        runner = _FusionRunner(gm)
+        with unset_fake_temporarily():
+            trial = [_zeros_like(v) for v in example_inputs]
+            if all(t is not None for t in trial):
+                runner.fusions[_key(trial)] = fd = _build(gm, trial)
+                fd.execute(trial)
+        return runner
 
 
 class _FusionRunner:
@@ -75,16 +84,52 @@ class _FusionRunner:
         self.promised = [_static_stride(node_value(n)) if isinstance(n, fx.Node) else None for n in out]
 
     def __call__(self, *args):
-        key = tuple(_signature(a) for a in args)
+        key = _key(args)
         fd = self.fusions.get(key)
         if fd is None:
-            fd = self.fusions[key] = _build(self.gm, args)
-        outs = fd.execute([a for a in args if isinstance(a, (torch.Tensor, int, float, bool, torch.SymInt))])
+            try:
+                fd = _build(self.gm, args)
+                outs = fd.execute(list(args))
+            except Exception as e:  # a new input signature nvFuser cannot take: run this one on torch
+                warnings.warn(f"nvfuser: region falls back to torch for inputs {key}: {type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0][:200]}")
+                fd = _EagerFusion(self.gm)
+                outs = fd.execute(list(args))
+            self.fusions[key] = fd
+        else:
+            outs = fd.execute(list(args))
         for i, stride in enumerate(self.promised):
             if stride is not None and outs[i].stride() != stride and outs[i].numel() > 1:
                 outs[i] = torch.empty_strided(outs[i].shape, stride, dtype=outs[i].dtype,
                                               device=outs[i].device).copy_(outs[i])
         return tuple(outs)
+
+
+class _EagerFusion:
+    """Stands in for a fusion nvFuser could not build: runs the region's ATen graph."""
+
+    def __init__(self, gm):
+        self.gm = gm
+
+    def execute(self, args):
+        return list(self.gm(*args))
+
+
+def _key(args) -> tuple:
+    return tuple(_signature(a) for a in args)
+
+
+def _zeros_like(v):
+    if isinstance(v, torch.Tensor):
+        try:
+            shape, stride = [int(s) for s in v.shape], [int(s) for s in v.stride()]
+        except (TypeError, ValueError):
+            return None
+        return torch.zeros_strided(shape, stride, dtype=v.dtype, device=v.device) if hasattr(torch, "zeros_strided") \
+            else torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device).zero_()
+    if isinstance(v, (int, float, bool)):
+        return v
+    return None
 
 
 def _signature(a):
@@ -102,6 +147,12 @@ def _static_stride(v):
 def _build(gm: fx.GraphModule, inputs: Sequence):
     """The FusionDefinition of region `gm` for inputs with the metadata of `inputs`."""
     from nvfuser_direct import FusionDefinition
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return _define(FusionDefinition, gm, inputs)
+
+
+def _define(FusionDefinition, gm: fx.GraphModule, inputs: Sequence):
 
     with FusionDefinition() as fd:
         env: dict[fx.Node, object] = {}
@@ -150,7 +201,11 @@ def _translate(fd, node: fx.Node, env):
     fn = _OPS.get(node.target)
     if fn is None:
         raise NotImplementedError(f"nvfuser: no translation for {node.target}")
-    result = fn(fd, node, *[arg(a) for a in node.args], **{k: arg(v) for k, v in node.kwargs.items()})
+    args = [arg(a) for a in node.args]
+    kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+    if node.target not in _LAYOUT_OPS:  # nvFuser computes in fp32: give math ops fp32 operands
+        args = [_float(fd, a) for a in args]
+    result = fn(fd, node, *args, **kwargs)
     want = node_value(node)
     if isinstance(want, torch.Tensor) and not isinstance(result, (tuple, list)):
         if result.dtype() != torch_dtype_to_nvfuser_dtype(want.dtype):
@@ -164,11 +219,13 @@ def _nv(dtype):
 
 
 def _float(fd, x):
-    """x in fp32 when it is a half type (nvFuser reduces in fp32)."""
+    """x in fp32 when it is a half-type tensor (nvFuser's math runs in fp32)."""
     from nvfuser_direct import DataType
-    if hasattr(x, "dtype") and x.dtype() in (DataType.Half, DataType.BFloat16):
-        return fd.ops.cast(x, DataType.Float)
-    return x
+    try:
+        half = x.dtype() in (DataType.Half, DataType.BFloat16)
+    except (AttributeError, TypeError):
+        return x
+    return fd.ops.cast(x, DataType.Float) if half else x
 
 
 def _rank(node: fx.Node, i: int = 0) -> int:
@@ -434,6 +491,11 @@ def _static_shapes(node: fx.Node) -> bool:
 def _step_one(node: fx.Node) -> bool:
     return len(node.args) < 5 or node.args[4] == 1
 
+
+_LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+               aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+               aten.expand.default, aten.slice.Tensor, aten.cat.default, aten.clone.default, aten.alias.default,
+               aten.lift_fresh_copy.default, aten._to_copy.default, prims.convert_element_type.default}
 
 _CHECKS: dict[object, Callable[[fx.Node], bool]] = {
     aten.slice.Tensor: lambda n: _step_one(n) and _static_shapes(n),
