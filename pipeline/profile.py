@@ -2,7 +2,7 @@
 
 Each compiled region runs inside a named range (`region3:inductor`), so its time shows in the
 profiler's table and, with `chrome_trace=path`, in a chrome://tracing / Perfetto timeline.
-On CUDA the time is device (kernel) time, on the CPU host time.
+A region's time is its kernels' device time when it ran on the GPU, else its host time.
 """
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
         event = by_label.get(f"region{r.id}:{r.executor}")
         if event is None:
             continue
-        micros = getattr(event, "device_time_total", 0) if use_cuda else event.cpu_time_total
+        # kernel time for regions that ran on the GPU, host time for those that ran on the CPU
+        micros = getattr(event, "device_time_total", 0) or event.cpu_time_total
         result.append(RegionTime(r.id, r.stage, r.executor, _clip(_summarize(r.ops), 50), event.count,
                                  micros / 1e3))
     return result

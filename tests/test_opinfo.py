@@ -66,7 +66,10 @@ def check_op(op, executor):
             grads = torch.autograd.grad(loss, wants, allow_unused=True)
         return [o.detach() for o in outs], grads
 
-    expected_out, expected_grads = run(fn)
+    try:
+        expected_out, expected_grads = run(fn)
+    except Exception as e:  # e.g. CUDA-only jiterator ops listed with CPU dtypes
+        pytest.skip(f"eager itself fails on this sample: {type(e).__name__}: {str(e)[:100]}")
     out, grads = run(pipeline.jit(fn, executors=[executor]))
     assert len(out) == len(expected_out)
     for a, b in zip(out, expected_out):
