@@ -71,6 +71,7 @@ class CompileStats:
     graphs: int
     graph_breaks: list[str]
     recompilations: int
+    recompile_reasons: list[str]              # the failed guard of each recompilation
     seconds: dict[str, float]                 # per stage, summed over graphs
     eager_fallbacks: dict[str, str]           # graph id -> why it runs in eager
     op_fallbacks: list[tuple[str, str, str]]  # (graph id, op, why it runs on torch)
@@ -82,6 +83,7 @@ class CompileStats:
                  f"recompilations: {self.recompilations}",
                  "seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items())]
         lines += [f"graph break: {r}" for r in self.graph_breaks]
+        lines += [f"recompiled: {r}" for r in self.recompile_reasons]
         lines += [f"{g} runs in eager: {why}" for g, why in self.eager_fallbacks.items()]
         lines += [f"{g}: {op} runs on torch: {why}" for g, op, why in self.op_fallbacks]
         lines += [f"region {i}: {why}" for i, why in self.region_fallbacks]
@@ -104,6 +106,7 @@ def compile_stats(cm) -> CompileStats:
     return CompileStats(
         graphs=len(state.records), graph_breaks=list(state.graph_breaks),
         recompilations=state.recompiles, seconds=dict(seconds),
+        recompile_reasons=[r.recompile_reason for r in state.records if r.recompile_reason],
         eager_fallbacks={r.graph_id: r.eager_fallback for r in state.records if r.eager_fallback},
         op_fallbacks=[(r.graph_id, op, why) for r in state.records for op, why in r.fallbacks],
         region_fallbacks=[(g.id, g.fallback_reason) for r in state.records for g in r.regions

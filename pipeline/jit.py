@@ -104,7 +104,17 @@ def _call(runner, state: CompileState, args, kwargs):
         state.capture_seconds += time.perf_counter() - start - backend
         for reason, count in _break_counts(counters).items():
             state.graph_breaks += [reason] * (count - breaks_before.get(reason, 0))
+        _note_recompile_reasons(state.records[n_records:])
     return out
+
+
+def _note_recompile_reasons(records) -> None:
+    """Dynamo's compilation metrics say which guard failed for each recompilation."""
+    from torch._dynamo.utils import get_compilation_metrics
+    reasons = {str(m.compile_id): m.recompile_reason for m in get_compilation_metrics()
+               if getattr(m, "recompile_reason", None)}
+    for record in records:
+        record.recompile_reason = reasons.get(record.compile_id)
 
 
 def _break_counts(counters) -> dict[str, int]:

@@ -23,6 +23,7 @@ class GraphRecord:
     fallbacks: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     decomposed: list[str] = dataclasses.field(default_factory=list)
     eager_fallback: Optional[str] = None  # why the whole graph runs in eager, if it does
+    recompile_reason: Optional[str] = None  # the guard that failed, when this graph is a recompilation
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
 
     def add_trace(self, trace: Trace) -> Trace:
