@@ -30,11 +30,8 @@ class RegionTable(list):
             executor = r.executor + (" (fallback)" if r.fallback_reason else "")
             rows.append((str(r.id), r.graph_id, r.stage, executor, str(r.op_count), ops,
                          _clip(", ".join(r.input_shapes)), _clip(", ".join(r.output_shapes))))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
         notes = [f"region {r.id}: {r.fallback_reason}" for r in self if r.fallback_reason]
-        return "\n".join(lines + notes)
+        return "\n".join(format_table(rows) + notes)
 
     __repr__ = __str__
 
@@ -146,6 +143,14 @@ def explain(fn_or_module: Callable, *args, **kwargs) -> Explanation:
     return Explanation(graphs=out.graph_count, graph_breaks=breaks,
                        ops_per_graph=[sum(n.op.startswith("call_") for n in g.graph.nodes)
                                       for g in out.graphs])
+
+
+def format_table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns with a rule under the header row."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
 
 
 def _summarize(ops: list[str], limit: int = 60) -> str:

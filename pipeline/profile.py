@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile as torch_profile
 
 from executors import CompiledRegion
 
-from .inspect import RegionTable, _clip, _summarize, regions
+from .inspect import RegionTable, _clip, _summarize, format_table, regions
 
 
 @dataclasses.dataclass
@@ -31,11 +31,8 @@ class ProfileTable(list):
     def __str__(self) -> str:
         rows = [("id", "stage", "executor", "calls", "ms", "ops")]
         rows += [(str(r.id), r.stage, r.executor, str(r.calls), f"{r.ms:.3f}", r.ops) for r in self]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
         total = sum(r.ms for r in self)
-        return "\n".join(lines + [f"total in regions: {total:.3f} ms"])
+        return "\n".join(format_table(rows) + [f"total in regions: {total:.3f} ms"])
 
     __repr__ = __str__
 
