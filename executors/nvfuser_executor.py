@@ -149,7 +149,22 @@ def _build(gm: fx.GraphModule, inputs: Sequence):
     from nvfuser_direct import FusionDefinition
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
-        return _define(FusionDefinition, gm, inputs)
+        return _shared(_define(FusionDefinition, gm, inputs))
+
+
+_FUSIONS = []  # one LruFusionCache for the process, made on first use
+
+
+def _shared(fd):
+    """Routes `fd` through nvFuser's LRU cache of compiled fusions, keyed by the fusion's structure:
+    the regions of identical layers then compile once, not once per layer."""
+    try:
+        if not _FUSIONS:
+            from nvfuser_direct import LruFusionCache
+            _FUSIONS.append(LruFusionCache(max_fusions=16384))
+        return _FUSIONS[0](lambda: fd)()
+    except Exception:  # an nvFuser without the cache: each definition compiles on its own
+        return fd
 
 
 def _define(FusionDefinition, gm: fx.GraphModule, inputs: Sequence):
