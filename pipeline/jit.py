@@ -84,7 +84,7 @@ def _call(runner, state: CompileState, args, kwargs):
     """Runs the compiled callable; notes graph breaks and capture time when this call compiled."""
     from torch._dynamo.utils import counters
     n_records = len(state.records)
-    breaks_before = _break_counts(counters)
+    breaks_before = _raw_break_counts(counters)  # cheap copies; parsed only if this call compiled
     start = time.perf_counter()
     try:
         out = runner(*args, **kwargs)
@@ -102,8 +102,9 @@ def _call(runner, state: CompileState, args, kwargs):
             record.generation = state.generation
         backend = sum(r.seconds["total"] for r in state.records[n_records:])
         state.capture_seconds += time.perf_counter() - start - backend
-        for reason, count in _break_counts(counters).items():
-            state.graph_breaks += [reason] * (count - breaks_before.get(reason, 0))
+        before = _break_counts(breaks_before)
+        for reason, count in _break_counts(_raw_break_counts(counters)).items():
+            state.graph_breaks += [reason] * (count - before.get(reason, 0))
         _note_recompile_reasons(state.records[n_records:])
     return out
 
@@ -117,12 +118,16 @@ def _note_recompile_reasons(records) -> None:
         record.recompile_reason = reasons.get(record.compile_id)
 
 
-def _break_counts(counters) -> dict[str, int]:
-    """Graph breaks Dynamo has counted so far, by the first line of their reason. Dynamo files
-    them under "graph_break" or, for unsupported constructs, "unimplemented"."""
+def _raw_break_counts(counters) -> dict[str, dict[str, int]]:
+    """Dynamo files graph breaks under "graph_break" or, for unsupported constructs, "unimplemented"."""
+    return {key: dict(counters[key]) for key in ("graph_break", "unimplemented")}
+
+
+def _break_counts(raw: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Graph breaks counted so far, by the first line of their reason."""
     out: dict[str, int] = {}
-    for key in ("graph_break", "unimplemented"):
-        for reason, count in counters[key].items():
+    for per_reason in raw.values():
+        for reason, count in per_reason.items():
             first = reason.strip().splitlines()[0]
             out[first] = out.get(first, 0) + count
     return out
