@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
-from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from functorch.compile import min_cut_rematerialization_partition
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import CompileContext, TracingContext
 
@@ -23,6 +23,7 @@ from executors import Executor, dispatch
 from ir import OutputSpec, Step, Trace, node_value
 from transforms import TracePass
 
+from .boxed import boxed
 from .record import GraphRecord
 from .specs import captured_input_specs, lowered_input_specs, lowered_output_specs
 
@@ -124,7 +125,7 @@ class PipelineBackend:
         record.fallbacks += execution.assignment.fallbacks
         record.decomposed += execution.assignment.decomposed
         executed = record.add_trace(execution.trace)
-        return make_boxed_func(executed.module.forward)
+        return boxed(executed.module)
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:
         for p in self.state.passes:

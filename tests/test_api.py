@@ -184,3 +184,29 @@ def test_gpu_executors_without_their_libraries_say_what_is_missing(mlp):
             pipeline.jit(mlp, executors=[name])
         with pytest.warns(UserWarning, match=f"executor '{name}' is not available"):
             pipeline.jit(mlp, executors=[name, "torch"])
+
+
+def test_compiled_stages_free_each_input_after_its_last_use():
+    import gc
+    import weakref
+
+    import torch.fx as fx
+    from pipeline.boxed import boxed
+
+    a = torch.randn(4)
+    ref, seen = weakref.ref(a), []
+
+    def probe(x):
+        gc.collect()
+        seen.append(ref() is None)
+        return x
+
+    g = fx.Graph()
+    pa, pb = g.placeholder("a"), g.placeholder("b")
+    y = g.call_function(torch.add, (g.call_function(torch.sin, (pa,)), pb))
+    g.output((g.call_function(probe, (y,)),))
+    run = boxed(fx.GraphModule({}, g))
+    args = [a, torch.randn(4)]
+    del a
+    run(args)
+    assert args == [] and seen == [True]  # `a` was freed before the stage returned
