@@ -31,3 +31,21 @@ def test_llama_block_training_matches_eager():
     ref, out, eager, cm = run_both(block, torch.randn(2, 16, 64), executors=["inductor"], train=True)
     torch.testing.assert_close(out, ref)
     assert_same_grads(eager, cm, exact=False, rtol=1e-4, atol=1e-5)
+
+
+def test_llama_model_training_matches_eager():
+    from models import Llama
+    model = Llama(LlamaConfig())
+    tokens = torch.randint(0, 256, (2, 16))
+    ref, out, eager, cm = run_both(model, tokens, executors=["inductor"], train=True)
+    torch.testing.assert_close(out, ref)
+    assert_same_grads(eager, cm, exact=False, rtol=1e-4, atol=1e-5)
+
+
+def test_graph_break_function_matches_eager():
+    from test_torch_executor import data_dependent
+    cf = pipeline.jit(data_dependent, executors=["inductor"])
+    x = torch.randn(16).abs() + 0.1
+    torch.testing.assert_close(cf(x), data_dependent(x))
+    torch.testing.assert_close(cf(-x), data_dependent(-x))
+    assert pipeline.compile_stats(cf).graphs >= 2
