@@ -55,10 +55,6 @@ class Executor:
         return f"<executor {self.name} ({self.kind})>"
 
 
-def is_aten_op(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload)
-
-
 def is_symbolic_glue(target) -> bool:
     """Python-level arithmetic on sizes (operator.mul on SymInts, sym_size, ...)."""
     if isinstance(target, torch._ops.OpOverload):

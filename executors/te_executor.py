@@ -132,9 +132,7 @@ class TEExecutor(Executor):
         if recipe is not None and type(recipe).__name__ != "Float8CurrentScaling":
             raise NotImplementedError(f"te.fp8: recipe {type(recipe).__name__} is not supported yet; use "
                                       f"transformer_engine.common.recipe.Float8CurrentScaling() or None")
-        executor = TEExecutor(fp8=True)
-        executor.name = "te"
-        return executor
+        return TEExecutor(fp8=True)
 
     def unavailable_reason(self) -> str | None:
         try:

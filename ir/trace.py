@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -131,13 +130,6 @@ class Trace:
     def __repr__(self) -> str:
         made_by = " → ".join(s.name for s in self.provenance) or "-"
         return f"<Trace {self.name!r} level={self.level} ops={len(self.ops())} made by: {made_by}>"
-
-
-def timed(fn, *args, **kwargs):
-    """Calls fn and returns (result, seconds)."""
-    start = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - start
 
 
 def node_value(node: fx.Node) -> Any:

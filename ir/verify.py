@@ -1,7 +1,6 @@
 """The verifier: checks a trace is well formed before anyone runs or transforms it."""
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from .trace import Trace, node_value
@@ -38,11 +37,3 @@ def verify(trace: Trace) -> Trace:
     if trace.outputs and len(trace.outputs) != n_out:
         raise TraceError(f"{where}: {len(trace.outputs)} output specs for {n_out} outputs")
     return trace
-
-
-def check_same_metadata(expected, actual, what: str) -> None:
-    """Raises if two (fake or real) values differ in shape or dtype."""
-    if isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor):
-        if expected.shape != actual.shape or expected.dtype != actual.dtype:
-            raise TraceError(f"{what}: expected {expected.dtype}{list(expected.shape)}, "
-                             f"got {actual.dtype}{list(actual.shape)}")
