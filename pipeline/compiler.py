@@ -24,6 +24,7 @@ from ir import OutputSpec, Step, Trace, node_value
 from transforms import TracePass
 
 from .boxed import boxed
+from .model_state import rewrite
 from .record import GraphRecord
 from .specs import captured_input_specs, lowered_input_specs, lowered_output_specs
 
@@ -69,7 +70,10 @@ class PipelineBackend:
         outputs = [OutputSpec("user_output")] * _num_outputs(gm)
         captured = record.add_trace(Trace(gm, name=f"{record.graph_id}_captured", level=self.level,
                                           inputs=specs, outputs=outputs, provenance=(Step(self.capture),)))
-        trace = captured
+        trace, remap = captured, None
+        if state.replaced:  # model-changing transforms (stage 2): feed the compiled code their tensors
+            trace, example_inputs, remap = rewrite(captured, list(example_inputs), state.replaced)
+            record.add_trace(trace)
         for executor in state.executors:  # model-level swaps (stage 2), e.g. TE's linears
             prepared, notes = executor.prepare(trace)
             record.fallbacks += notes
@@ -89,6 +93,8 @@ class PipelineBackend:
         )
         inner = sum(record.seconds.values()) - inner_before
         record.seconds["lower"] += time.perf_counter() - start - inner
+        if remap is not None:
+            return lambda *args: compiled(*remap(args))
         return compiled
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):

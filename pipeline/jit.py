@@ -16,6 +16,9 @@ import torch._dynamo
 
 from executors import Executor, resolve
 from transforms import TracePass, as_pass
+from transforms.model_transform import ModelTransform
+
+from . import model_state
 
 from .compiler import PassError, PipelineBackend
 from .grad_capture import GradCapture, differentiates_inside
@@ -33,6 +36,7 @@ class CompileState:
     passes: list[TracePass]
     owners: dict[int, tuple[str, str]]      # id(tensor) -> (parameter|buffer, qualified name)
     fullgraph: bool = False
+    replaced: dict = dataclasses.field(default_factory=dict)  # qualname -> model_state.Replaced
     records: list[GraphRecord] = dataclasses.field(default_factory=list)
     graph_breaks: list[str] = dataclasses.field(default_factory=list)
     recompiles: int = 0
@@ -60,8 +64,19 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
     if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
-    state = CompileState(executors=resolve(executors), passes=[as_pass(t) for t in transforms],
-                         owners=_owners(model_or_fn), fullgraph=fullgraph)
+    model_transforms = [t for t in transforms if isinstance(t, ModelTransform)]
+    passes = [as_pass(t) for t in transforms if not isinstance(t, ModelTransform)]
+    resolved = resolve(executors)
+    replaced = {}
+    if model_transforms:
+        if not isinstance(model_or_fn, torch.nn.Module):
+            raise TypeError(f"{model_transforms[0].name} changes a module's parameters; jit an nn.Module")
+        if differentiates_inside(model_or_fn):
+            raise NotImplementedError(f"{model_transforms[0].name} does not combine yet with models that "
+                                      f"call torch.autograd.grad in forward")
+        replaced = model_state.apply(model_or_fn, model_transforms)
+    state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
+                         fullgraph=fullgraph, replaced=replaced)
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)
     else:
@@ -162,10 +177,25 @@ class JittedModule(torch.nn.Module):
         self.training = mode
         return self
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The parameters the compiled code runs on: the original's, except those a model transform
+        replaced, which appear as their new tensors (`fc.weight.q`, `fc.weight.scale`)."""
+        replaced = self._state.replaced
+        for name, param in self._original.named_parameters(prefix="", recurse=recurse,
+                                                            remove_duplicate=remove_duplicate):
+            if name in replaced:
+                for suffix, tensor in replaced[name].tensors.items():
+                    yield prefix + f"{name}.{suffix}", tensor
+            else:
+                yield prefix + name, param
+
     def state_dict(self, *args, **kwargs):
-        return self._original.state_dict(*args, **kwargs)
+        """The original model's state dict (keys and full shapes), whatever transforms did."""
+        return model_state.state_dict(self._original.state_dict(*args, **kwargs), self._state.replaced)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self._state.replaced:
+            return model_state.load_state_dict(self._original, state_dict, self._state.replaced, strict)
         return self._original.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getattr__(self, name: str) -> Any:

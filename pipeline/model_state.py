@@ -1,0 +1,122 @@
+"""Model-changing transforms applied to a jitted module: which parameters were replaced by what,
+the trace rewrite that feeds the compiled code the new tensors, and state dicts both ways."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from ir import InputSpec, Trace, node_value
+from transforms.model_transform import ModelTransform
+
+
+@dataclasses.dataclass
+class Replaced:
+    transform: ModelTransform
+    tensors: dict[str, torch.nn.Parameter]   # suffix -> the tensor the compiled code runs on
+    original: torch.Tensor                    # a meta tensor with the original's shape and dtype
+    module_prefix: str
+    attr: str
+
+    def extra_keys(self) -> dict[str, str]:
+        """suffix -> state-dict key of transform-owned state."""
+        base = f"{self.module_prefix}._extra_state" if self.module_prefix else "_extra_state"
+        return {s: f"{base}.{self.attr}_{s}" for s in self.transform.extra_state(self.tensors)}
+
+
+def apply(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict[str, Replaced]:
+    """Replaces the parameters the transforms claim (first claimant wins) by light placeholders of the
+    same shape, dtype and device, so the original module still captures; returns what replaced them."""
+    replaced = {}
+    for module_prefix, module in model.named_modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            qualname = f"{module_prefix}.{attr}" if module_prefix else attr
+            transform = next((t for t in transforms if t.applies_to(module, qualname, param)), None)
+            if transform is None or qualname in replaced:
+                continue
+            tensors = {s: torch.nn.Parameter(t, requires_grad=False) for s, t in transform.encode(param).items()}
+            replaced[qualname] = Replaced(transform, tensors, torch.empty_like(param, device="meta"),
+                                          module_prefix, attr)
+            stand_in = torch.zeros(1, dtype=param.dtype, device=param.device).expand(param.shape)
+            setattr(module, attr, torch.nn.Parameter(stand_in, requires_grad=False))
+    return replaced
+
+
+def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
+    """The captured trace with each replaced parameter's placeholder swapped for the new tensors'
+    placeholders and the ops rebuilding it; returns (trace, example inputs, remap) where
+    `remap(args)` turns the captured graph's arguments into the new trace's."""
+    gm = trace.editable()
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    fake_mode = next((node_value(n).fake_mode for n in placeholders if hasattr(node_value(n), "fake_mode")), None)
+    specs, inputs, plan, rebuild = [], [], [], []
+    for node, spec, value in zip(placeholders, trace.inputs, example_inputs):
+        r = replaced.get(spec.qualname) if spec.kind == "parameter" else None
+        if r is None:
+            specs.append(spec)
+            inputs.append(value)
+            plan.append(None)
+            continue
+        new = {}
+        with graph.inserting_before(node):
+            for suffix, tensor in r.tensors.items():
+                p = graph.placeholder(f"{node.name}_{suffix}")
+                fake = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode is not None else tensor
+                p.meta["val"] = p.meta["example_value"] = fake
+                new[suffix] = p
+                specs.append(InputSpec("parameter", p.name, f"{spec.qualname}.{suffix}"))
+                inputs.append(fake)  # static: lowering must not give these sizes symbols
+        plan.append(r)
+        rebuild.append((node, r, new))
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    for node, r, new in rebuild:
+        with graph.inserting_before(first_op):
+            value = r.transform.rebuild(graph, new, node_value(node))
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+    gm.recompile()
+    names = "+".join(sorted({r.transform.name for _, r, _ in rebuild}))
+    out = trace.derive(gm, by=names or "model_transforms", inputs=specs)
+
+    def remap(args):
+        flat = []
+        for a, r in zip(args, plan):
+            if r is None:
+                flat.append(a)
+            else:
+                flat.extend(r.tensors.values())
+        return flat
+    return out, inputs, remap
+
+
+def state_dict(original_state: dict, replaced: dict[str, Replaced]) -> dict:
+    """The original model's state dict, replaced parameters decoded, transform state under
+    `_extra_state` keys."""
+    out = dict(original_state)
+    for qualname, r in replaced.items():
+        if qualname in out:
+            out[qualname] = r.transform.decode(r.tensors).to(r.original.dtype)
+            for suffix, key in r.extra_keys().items():
+                out[key] = r.transform.extra_state(r.tensors)[suffix].detach().clone()
+    return out
+
+
+def load_state_dict(model: torch.nn.Module, state: dict, replaced: dict[str, Replaced], strict: bool):
+    """Loads `state` (original keys) into the transformed parameters and the rest of the model."""
+    rest = dict(state)
+    for qualname, r in replaced.items():
+        extra = {s: rest.pop(k) for s, k in r.extra_keys().items() if k in rest}
+        if qualname not in rest:
+            continue
+        like = {**{s: t for s, t in r.tensors.items()}, **extra} if extra else None
+        encoded = r.transform.encode(rest.pop(qualname).to(r.tensors[next(iter(r.tensors))].device), like)
+        with torch.no_grad():
+            for suffix, tensor in encoded.items():
+                r.tensors[suffix].copy_(tensor)
+    result = model.load_state_dict(rest, strict=False)
+    missing = [k for k in result.missing_keys if k not in replaced]
+    if strict and (missing or result.unexpected_keys):
+        raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {result.unexpected_keys}")
+    return torch.nn.modules.module._IncompatibleKeys(missing, result.unexpected_keys)

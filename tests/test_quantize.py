@@ -1,0 +1,108 @@
+"""quantize("int8" | "fp8"): weight-only quantized linears, held quantized, state dicts both ways."""
+import copy
+
+import pytest
+import torch
+
+import pipeline
+from models import Llama, LlamaConfig
+from transforms import quantize
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture
+def llama_and_tokens():
+    model = Llama(LlamaConfig()).eval()
+    return model, torch.randint(0, 256, (2, 16))
+
+
+def test_int8_logits_within_two_percent_of_fp32(llama_and_tokens):
+    model, tokens = llama_and_tokens
+    with torch.no_grad():
+        reference = model(tokens)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    with torch.no_grad():
+        assert relative_error(cm(tokens), reference) < 0.02
+
+
+def test_linear_weights_are_held_in_int8(llama_and_tokens):
+    model, _ = llama_and_tokens
+    linear_bytes = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) * 4
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    params = dict(cm.named_parameters())
+    quantized = {n: p for n, p in params.items() if n.endswith(".q")}
+    assert len(quantized) == 15 and all(p.dtype == torch.int8 for p in quantized.values())
+    assert sum(p.numel() * p.element_size() for p in quantized.values()) == linear_bytes // 4
+    # the original module keeps only one-element stand-ins for those weights
+    assert all(m.weight.untyped_storage().nbytes() <= 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_dequantize_is_in_the_trace_not_done_at_load_time(llama_and_tokens):
+    model, tokens = llama_and_tokens
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    with torch.no_grad():
+        cm(tokens)
+    lowered = next(t for t in pipeline.last_traces(cm) if t.name == "g0_inference")
+    text = str(lowered)
+    assert "i8[64, 64]" in text and "parameter 'layers.0.attn.wq.weight.q'" in text
+    assert "aten._to_copy.default(layers_0_attn_wq_weight_q, dtype=torch.float32)" in text
+
+
+def test_state_dict_round_trip_is_bit_identical(llama_and_tokens):
+    model, tokens = llama_and_tokens
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    before = {n: p.detach().clone() for n, p in cm.named_parameters()}
+    state = cm.state_dict()
+    assert state["layers.0.attn.wq.weight"].dtype == torch.float32
+    assert state["layers.0.attn.wq.weight"].shape == (64, 64)
+    assert "layers.0.attn.wq._extra_state.weight_scale" in state
+    cm.load_state_dict(state)
+    for name, param in cm.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
+def test_an_eager_model_loads_the_quantized_state_dict(llama_and_tokens):
+    model, tokens = llama_and_tokens
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    eager.load_state_dict(cm.state_dict(), strict=False)  # _extra_state keys are ignored
+    with torch.no_grad():
+        torch.testing.assert_close(eager(tokens), cm(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_full_precision_checkpoint_loads_into_a_quantized_model(llama_and_tokens, tmp_path):
+    model, tokens = llama_and_tokens
+    trained = Llama(LlamaConfig()).eval()
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    cm.load_state_dict(trained.state_dict())
+    with torch.no_grad():
+        assert relative_error(cm(tokens), trained(tokens)) < 0.02
+
+
+def test_fp8_weights_are_held_in_fp8_and_close(llama_and_tokens):
+    model, tokens = llama_and_tokens
+    with torch.no_grad():
+        reference = model(tokens)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("fp8")])
+    assert {p.dtype for n, p in cm.named_parameters() if n.endswith(".q")} == {torch.float8_e4m3fn}
+    with torch.no_grad():
+        assert relative_error(cm(tokens), reference) < 0.08
+
+
+def test_unknown_quantization_is_an_error():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        quantize("int3")
+
+
+@pytest.mark.inductor
+def test_int8_with_inductor_fuses_the_dequantize(llama_and_tokens):
+    model, tokens = llama_and_tokens
+    with torch.no_grad():
+        reference = model(tokens)
+    cm = pipeline.jit(model, executors=["inductor"], transforms=[quantize("int8")])
+    with torch.no_grad():
+        assert relative_error(cm(tokens), reference) < 0.02
+    assert [r.executor for r in pipeline.regions(cm)] == ["inductor"]

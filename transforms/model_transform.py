@@ -1,0 +1,41 @@
+"""`ModelTransform`: a transform that changes parameters and the graph together (stage 2).
+
+Dynamo still captures the original module; the transform then
+  - replaces some parameters by new tensors (`encode`: e.g. an int8 weight and its scales),
+  - rewrites the captured trace so each replaced parameter's placeholder becomes placeholders for
+    the new tensors plus the ops that rebuild the original value from them (`rebuild`), and
+  - maps state dicts both ways (`decode` for saving the original keys, `encode` for loading).
+The compiled code runs on the new tensors; `cm.parameters()` returns them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+
+class ModelTransform:
+    name = "model_transform"
+
+    def applies_to(self, module: torch.nn.Module, qualname: str, param: torch.Tensor) -> bool:
+        """Whether this transform replaces parameter `qualname` (owned by `module`)."""
+        raise NotImplementedError
+
+    def encode(self, value: torch.Tensor, like: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+        """The new tensors standing for `value`, by suffix. `like`: the current ones, whose
+        transform-owned state (e.g. scales) loading a state dict keeps."""
+        raise NotImplementedError
+
+    def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The original parameter's value from the new tensors."""
+        raise NotImplementedError
+
+    def rebuild(self, graph: fx.Graph, inputs: dict[str, fx.Node], original: torch.Tensor) -> fx.Node:
+        """Inserts (at the graph's current insertion point) the torch-level ops computing the original
+        value from the new tensors' placeholders; sets their metadata."""
+        raise NotImplementedError
+
+    def extra_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Transform-owned tensors a state dict carries under `<module>._extra_state.<suffix>`."""
+        return {}

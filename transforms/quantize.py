@@ -1,0 +1,75 @@
+"""`quantize("int8" | "fp8")`: weight-only quantization of linear weights, for inference.
+
+The model holds the weights quantized — int8 with one fp32 scale per output channel, or fp8 (e4m3)
+with per-channel scales — and the trace dequantizes them right before use (`weight.to(f32) * scale`),
+so a region executor may fuse the dequantize into its kernels. The weights are never dequantized
+once at load time. `cm.state_dict()` gives the dequantized weights under the original keys and the
+scales under `<module>._extra_state.scale`; loading that state dict back re-quantizes with those
+scales, to the same bits.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .model_transform import ModelTransform
+
+_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+
+
+class WeightOnlyQuantization(ModelTransform):
+    def __init__(self, kind: str):
+        if kind not in _FORMATS:
+            raise ValueError(f"quantize: kind must be one of {sorted(_FORMATS)}, got {kind!r}")
+        self.kind = kind
+        self.dtype, self.qmax = _FORMATS[kind]
+        self.name = f"quantize({kind})"
+
+    def applies_to(self, module, qualname, param) -> bool:
+        return isinstance(module, torch.nn.Linear) and qualname.endswith("weight") and param.is_floating_point()
+
+    def encode(self, value, like: Optional[dict[str, torch.Tensor]] = None):
+        value = value.detach().float()
+        if like is not None:
+            scale = like["scale"]
+        else:
+            amax = value.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+            scale = amax / self.qmax
+        scaled = value / scale
+        if self.dtype is torch.int8:
+            q = scaled.round().clamp(-self.qmax, self.qmax).to(torch.int8)
+        else:
+            q = scaled.clamp(-self.qmax, self.qmax).to(self.dtype)
+        return {"q": q, "scale": scale.to(torch.float32)}
+
+    def decode(self, tensors):
+        return tensors["q"].to(torch.float32) * tensors["scale"]
+
+    def rebuild(self, graph: fx.Graph, inputs, original):
+        q, scale = inputs["q"], inputs["scale"]
+        wide = graph.call_method("to", (q, original.dtype))
+        value = graph.call_function(torch.mul, (wide, scale))
+        fake = _fake_like(q, original)
+        wide.meta["val"] = wide.meta["example_value"] = fake
+        value.meta["val"] = value.meta["example_value"] = fake
+        return value
+
+    def extra_state(self, tensors):
+        return {"scale": tensors["scale"]}
+
+
+def _fake_like(node: fx.Node, original: torch.Tensor):
+    from ir import node_value
+    fake = node_value(node)
+    mode = getattr(fake, "fake_mode", None)
+    if mode is None:
+        return torch.empty_like(original, device="meta")
+    with mode:
+        return torch.empty(original.shape, dtype=original.dtype, device=original.device)
+
+
+def quantize(kind: str = "int8") -> WeightOnlyQuantization:
+    """Weight-only quantization of every `nn.Linear` weight: "int8" or "fp8" (e4m3)."""
+    return WeightOnlyQuantization(kind)
