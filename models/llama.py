@@ -32,6 +32,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -88,9 +91,17 @@ class LlamaBlock(nn.Module):
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(c.dim, c.eps), Attention(c)
         self.mlp_norm, self.mlp = RMSNorm(c.dim, c.eps), SwiGLU(c)
+        self.config = c
         cos, sin = rope_tables(c.dim // c.heads, c.max_seq, c.rope_base)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def reset_parameters(self):
+        """Recomputes the rotary tables (for a block built on the meta device)."""
+        c = self.config
+        cos, sin = rope_tables(c.dim // c.heads, c.max_seq, c.rope_base)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x), self.cos, self.sin)

@@ -16,6 +16,7 @@ import torch._dynamo
 
 from executors import Executor, resolve
 from transforms import TracePass, as_pass
+from transforms.materialize import Materialize
 from transforms.model_transform import ModelTransform
 
 from . import model_state
@@ -64,8 +65,13 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
     if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
+    preparations = [t for t in transforms if isinstance(t, Materialize)]
     model_transforms = [t for t in transforms if isinstance(t, ModelTransform)]
-    passes = [as_pass(t) for t in transforms if not isinstance(t, ModelTransform)]
+    passes = [as_pass(t) for t in transforms if not isinstance(t, (ModelTransform, Materialize))]
+    if preparations and not isinstance(model_or_fn, torch.nn.Module):
+        raise TypeError("materialize needs an nn.Module")
+    for preparation in preparations:  # real storage first: capture needs it
+        preparation.prepare_module(model_or_fn)
     resolved = resolve(executors)
     replaced = {}
     if model_transforms:

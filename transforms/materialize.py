@@ -1,0 +1,74 @@
+"""`materialize(checkpoint=None)`: a model built on the `meta` device gets real storage at jit time.
+
+Each module whose parameters or buffers are on `meta` is given empty storage on `device`
+(`to_empty`) and initialised by its own `reset_parameters()` (its init code) — or, with `checkpoint`
+(a safetensors path), every tensor of the state dict is read from the file one at a time through
+safetensors' lazy slices, never the whole file into memory (modules with non-persistent buffers
+still run their init for those). A module left with values nothing initialises is an error.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class Materialize:
+    """Applied to the module before capture (see `pipeline.jit`)."""
+
+    def __init__(self, checkpoint: Optional[str] = None, device="cpu"):
+        self.checkpoint = checkpoint
+        self.device = torch.device(device)
+        self.name = "materialize" + (f"({checkpoint!r})" if checkpoint else "()")
+
+    def prepare_module(self, model: torch.nn.Module) -> None:
+        on_meta = [(name, m) for name, m in model.named_modules() if _has_meta_state(m)]
+        if not on_meta:
+            return
+        # Without a checkpoint every module initialises itself; with one, those whose state the file
+        # cannot hold (non-persistent buffers, such as rotary tables) still must.
+        needs_init = [(name, m) for name, m in on_meta if self.checkpoint is None or _non_persistent_buffers(m)]
+        missing = [name or type(m).__name__ for name, m in needs_init
+                   if not callable(getattr(m, "reset_parameters", None))]
+        if missing:
+            raise ValueError(f"materialize: modules {missing} have meta tensors but no reset_parameters() to "
+                             f"initialise them; give them one" + ("" if self.checkpoint else ", or pass a checkpoint"))
+        for _, module in on_meta:
+            module.to_empty(device=self.device, recurse=False)
+        with torch.no_grad():
+            for _, module in needs_init:
+                module.reset_parameters()
+        if self.checkpoint is not None:
+            load_tensors(model, self.checkpoint)
+
+
+def load_tensors(model: torch.nn.Module, path: str) -> None:
+    """Copies each parameter and persistent buffer from the safetensors file, reading tensor by tensor."""
+    from safetensors import safe_open
+
+    state = model.state_dict(keep_vars=True)
+    with safe_open(path, framework="pt") as f, torch.no_grad():
+        keys = set(f.keys())
+        missing = [k for k in state if k not in keys and not k.endswith("_extra_state")]
+        if missing:
+            raise KeyError(f"materialize: {path} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for key, target in state.items():
+            if key in keys:
+                source = f.get_slice(key)[:]
+                if tuple(source.shape) != tuple(target.shape):
+                    raise ValueError(f"materialize: {key} is {tuple(source.shape)} in {path}, "
+                                     f"the model expects {tuple(target.shape)}")
+                target.copy_(source)
+
+
+def _non_persistent_buffers(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, "_non_persistent_buffers_set", ()))
+
+
+def _has_meta_state(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
+
+
+def materialize(checkpoint: Optional[str] = None, device="cpu") -> Materialize:
+    """Gives a meta-device model real storage at jit time: its own init, or a safetensors checkpoint."""
+    return Materialize(checkpoint, device)
