@@ -81,6 +81,7 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
             raise NotImplementedError(f"{model_transforms[0].name} does not combine yet with models that "
                                       f"call torch.autograd.grad in forward")
         replaced = model_state.apply(model_or_fn, model_transforms)
+        passes += [as_pass(p) for t in model_transforms for p in t.passes()]
     state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
                          fullgraph=fullgraph, replaced=replaced)
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad

@@ -35,7 +35,8 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict[str,
             transform = next((t for t in transforms if t.applies_to(module, qualname, param)), None)
             if transform is None or qualname in replaced:
                 continue
-            tensors = {s: torch.nn.Parameter(t, requires_grad=False) for s, t in transform.encode(param).items()}
+            tensors = {s: torch.nn.Parameter(t, requires_grad=transform.trainable and t.is_floating_point())
+                       for s, t in transform.encode(param.detach()).items()}
             replaced[qualname] = Replaced(transform, tensors, torch.empty_like(param, device="meta"),
                                           module_prefix, attr)
             stand_in = torch.zeros(1, dtype=param.dtype, device=param.device).expand(param.shape)
@@ -97,7 +98,7 @@ def state_dict(original_state: dict, replaced: dict[str, Replaced]) -> dict:
     out = dict(original_state)
     for qualname, r in replaced.items():
         if qualname in out:
-            out[qualname] = r.transform.decode(r.tensors).to(r.original.dtype)
+            out[qualname] = r.transform.decode(r.tensors, r.original).to(r.original.dtype)
             for suffix, key in r.extra_keys().items():
                 out[key] = r.transform.extra_state(r.tensors)[suffix].detach().clone()
     return out

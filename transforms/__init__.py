@@ -2,10 +2,11 @@
 from .base import STAGES, TracePass, as_pass, trace_pass
 from .checkpoint import checkpoint
 from .cpu_offload import cpu_offload
+from .fsdp import FSDP, fsdp
 from .materialize import Materialize, materialize
 from .mixed_precision import mixed_precision
 from .model_transform import ModelTransform
 from .quantize import quantize
 
 __all__ = ["TracePass", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload",
-           "ModelTransform", "quantize", "materialize", "Materialize"]
+           "ModelTransform", "quantize", "materialize", "Materialize", "fsdp", "FSDP"]

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 class ModelTransform:
     name = "model_transform"
+    trainable = False  # whether the new tensors are trained (FSDP shards) or frozen (quantized weights)
 
     def applies_to(self, module: torch.nn.Module, qualname: str, param: torch.Tensor) -> bool:
         """Whether this transform replaces parameter `qualname` (owned by `module`)."""
@@ -27,14 +28,18 @@ class ModelTransform:
         transform-owned state (e.g. scales) loading a state dict keeps."""
         raise NotImplementedError
 
-    def decode(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The original parameter's value from the new tensors."""
+    def decode(self, tensors: dict[str, torch.Tensor], original: torch.Tensor) -> torch.Tensor:
+        """The original parameter's value from the new tensors (`original`: its shape and dtype)."""
         raise NotImplementedError
 
     def rebuild(self, graph: fx.Graph, inputs: dict[str, fx.Node], original: torch.Tensor) -> fx.Node:
         """Inserts (at the graph's current insertion point) the torch-level ops computing the original
         value from the new tensors' placeholders; sets their metadata."""
         raise NotImplementedError
+
+    def passes(self) -> list:
+        """Trace passes this transform needs (e.g. FSDP's joint-graph recompute tags)."""
+        return []
 
     def extra_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Transform-owned tensors a state dict carries under `<module>._extra_state.<suffix>`."""

@@ -44,7 +44,7 @@ class WeightOnlyQuantization(ModelTransform):
             q = scaled.clamp(-self.qmax, self.qmax).to(self.dtype)
         return {"q": q, "scale": scale.to(torch.float32)}
 
-    def decode(self, tensors):
+    def decode(self, tensors, original=None):
         return tensors["q"].to(torch.float32) * tensors["scale"]
 
     def rebuild(self, graph: fx.Graph, inputs, original):

@@ -1,0 +1,109 @@
+"""`fsdp(process_group=None)`: fully sharded data parallelism over `torch.distributed`.
+
+Every trainable parameter is sharded along dim 0 across the ranks of the process group (padded to a
+multiple of the world size); each rank holds and trains only its shard. The trace all-gathers a
+parameter (functional collectives, so it stays a graph op) right before its use; the all-gather's
+backward reduce-scatters the gradient, so each rank receives only its gradient shard, averaged over
+ranks (each rank's loss is the mean over its part of the batch). A joint-graph pass marks the
+all-gathers for recomputation, so no full parameter is kept from forward to backward: the backward
+gathers again. gloo on the CPU, NCCL on GPUs.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ir import Trace, node_value
+
+from .base import TracePass
+from .model_transform import ModelTransform
+
+
+class FSDP(ModelTransform):
+    trainable = True
+
+    def __init__(self, process_group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("fsdp needs torch.distributed initialised (torchrun, or init_process_group) "
+                               "before pipeline.jit")
+        self.group = process_group or dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.name = f"fsdp({self.world} ranks)"
+
+    def applies_to(self, module, qualname, param) -> bool:
+        return param.is_floating_point() and param.requires_grad and param.dim() >= 1
+
+    def encode(self, value, like=None):
+        rows = math.ceil(value.shape[0] / self.world)
+        padded = value.new_zeros((rows * self.world, *value.shape[1:]))
+        padded[: value.shape[0]] = value
+        return {"shard": padded[self.rank * rows:(self.rank + 1) * rows].clone()}
+
+    def decode(self, tensors, original):
+        shard = tensors["shard"].detach()
+        full = shard.new_empty((shard.shape[0] * self.world, *shard.shape[1:]))
+        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
+        return full[: original.shape[0]]
+
+    def rebuild(self, graph: fx.Graph, inputs, original):
+        import torch.distributed._functional_collectives as fcol
+        gather = getattr(fcol, "all_gather_single_autograd", None) or fcol.all_gather_tensor_autograd
+        shard = inputs["shard"]
+        fake_shard = node_value(shard)
+        gathered = graph.call_function(gather, (shard, 0, self.group.group_name))
+        gathered.meta["val"] = _fake(fake_shard, (fake_shard.shape[0] * self.world, *fake_shard.shape[1:]))
+        waited = graph.call_function(fcol.wait_tensor, (gathered,))
+        waited.meta["val"] = gathered.meta["val"]
+        full = waited
+        if gathered.meta["val"].shape[0] != original.shape[0]:
+            full = graph.call_method("narrow", (waited, 0, 0, original.shape[0]))
+            full.meta["val"] = _fake(fake_shard, tuple(original.shape))
+        # value unchanged (x + 0); gradient scaled by 1/world: the ranks' mean, as one whole batch
+        detached = graph.call_method("detach", (full,))
+        delta = graph.call_function(operator.sub, (full, detached))
+        scaled = graph.call_function(operator.mul, (delta, 1.0 / self.world))
+        value = graph.call_function(operator.add, (detached, scaled))
+        for n in (detached, delta, scaled, value):
+            n.meta["val"] = _fake(fake_shard, tuple(original.shape))
+        for n in (gathered, waited, full, detached, delta, scaled, value):
+            n.meta["example_value"] = n.meta["val"]
+        return value
+
+    def passes(self):
+        return [TracePass(regather_in_backward, runs_on="joint", name="fsdp.regather_in_backward")]
+
+
+def regather_in_backward(trace: Trace) -> Trace:
+    """Marks the ops that rebuild full parameters from shards for recomputation, so the backward
+    gathers again instead of keeping the full parameter alive from forward."""
+    gm = trace.editable()
+    shards = {n for n, spec in zip(gm.graph.nodes, trace.inputs)
+              if n.op == "placeholder" and spec.qualname and spec.qualname.endswith(".shard")}
+    derived = set(shards)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node in derived:
+            continue
+        tensor_inputs = [a for a in node.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
+        if tensor_inputs and all(a in derived for a in tensor_inputs) and "tangents" not in node.name:
+            derived.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return trace.derive(gm, by="fsdp.regather_in_backward")
+
+
+def _fake(like, shape):
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
+        return torch.empty(shape, dtype=like.dtype, device="meta")
+    with mode:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def fsdp(process_group=None) -> FSDP:
+    """Shard every trainable parameter along dim 0 across `process_group` (default: the world)."""
+    return FSDP(process_group)
