@@ -51,7 +51,9 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
 
     executors: executor objects from `executors` or their names, by priority; ops nobody claims run
         on the `torch` executor (eager ATen kernels).
-    transforms: trace passes (`transforms.trace_pass`), each running where it declares.
+    transforms: trace passes (`transforms.trace_pass`, `mixed_precision`, ...), each running where it
+        declares, and model-changing transforms (`quantize`, `fsdp`, `materialize`), applied to the
+        module now.
     fullgraph: raise `GraphBreakError` instead of splitting the graph at a graph break.
     dynamic: as in `torch.compile` (None: Dynamo's automatic dynamic shapes).
     """
@@ -65,23 +67,8 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
     if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
-    preparations = [t for t in transforms if isinstance(t, Materialize)]
-    model_transforms = [t for t in transforms if isinstance(t, ModelTransform)]
-    passes = [as_pass(t) for t in transforms if not isinstance(t, (ModelTransform, Materialize))]
-    if preparations and not isinstance(model_or_fn, torch.nn.Module):
-        raise TypeError("materialize needs an nn.Module")
-    for preparation in preparations:  # real storage first: capture needs it
-        preparation.prepare_module(model_or_fn)
     resolved = resolve(executors)
-    replaced = {}
-    if model_transforms:
-        if not isinstance(model_or_fn, torch.nn.Module):
-            raise TypeError(f"{model_transforms[0].name} changes a module's parameters; jit an nn.Module")
-        if differentiates_inside(model_or_fn):
-            raise NotImplementedError(f"{model_transforms[0].name} does not combine yet with models that "
-                                      f"call torch.autograd.grad in forward")
-        replaced = model_state.apply(model_or_fn, model_transforms)
-        passes += [as_pass(p) for t in model_transforms for p in t.passes()]
+    passes, replaced = _apply_transforms(model_or_fn, list(transforms))
     state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
                          fullgraph=fullgraph, replaced=replaced)
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
@@ -92,6 +79,32 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     if isinstance(model_or_fn, torch.nn.Module):
         return JittedModule(model_or_fn, runner, state)
     return JittedFunction(model_or_fn, runner, state)
+
+
+def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], dict]:
+    """Materializes meta tensors and applies model-changing transforms (stage 2) to the module;
+    returns the trace passes to run and what the model transforms replaced."""
+    preparations = [t for t in transforms if isinstance(t, Materialize)]
+    model_transforms = [t for t in transforms if isinstance(t, ModelTransform)]
+    passes = [as_pass(t) for t in transforms if not isinstance(t, (ModelTransform, Materialize))]
+    if (preparations or model_transforms) and not isinstance(model_or_fn, torch.nn.Module):
+        raise TypeError(f"{(preparations + model_transforms)[0].name} changes a module's parameters; "
+                        f"jit an nn.Module")
+    if model_transforms and differentiates_inside(model_or_fn):
+        raise NotImplementedError(f"{model_transforms[0].name} does not combine yet with models that "
+                                  f"call torch.autograd.grad in forward")
+    replaced = {}
+    from_file = [p for p in preparations if p.checkpoint]
+    if from_file and model_transforms:  # transforms read only the slices they keep, straight from the file
+        from safetensors import safe_open
+        with safe_open(from_file[0].checkpoint, framework="pt") as reader:
+            replaced = model_state.apply(model_or_fn, model_transforms, reader, from_file[0].device)
+    for preparation in preparations:  # real storage before capture
+        preparation.prepare_module(model_or_fn, skip=frozenset(replaced))
+    if model_transforms and not replaced:
+        replaced = model_state.apply(model_or_fn, model_transforms)
+    passes += [as_pass(p) for t in model_transforms for p in t.passes()]
+    return passes, replaced
 
 
 def _owners(obj) -> dict[int, tuple[str, str]]:

@@ -25,9 +25,13 @@ class Replaced:
         return {s: f"{base}.{self.attr}_{s}" for s in self.transform.extra_state(self.tensors)}
 
 
-def apply(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict[str, Replaced]:
+def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
+          device: torch.device | None = None) -> dict[str, Replaced]:
     """Replaces the parameters the transforms claim (first claimant wins) by light placeholders of the
-    same shape, dtype and device, so the original module still captures; returns what replaced them."""
+    same shape, dtype and device, so the original module still captures; returns what replaced them.
+
+    `reader` (an open safetensors file) supplies the values of parameters still on the meta device:
+    a transform reads only the slices it keeps (`encode_slices`), never the whole tensor."""
     replaced = {}
     for module_prefix, module in model.named_modules():
         for attr, param in list(module.named_parameters(recurse=False)):
@@ -35,11 +39,18 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict[str,
             transform = next((t for t in transforms if t.applies_to(module, qualname, param)), None)
             if transform is None or qualname in replaced:
                 continue
-            tensors = {s: torch.nn.Parameter(t, requires_grad=transform.trainable and t.is_floating_point())
-                       for s, t in transform.encode(param.detach()).items()}
+            target = device if param.is_meta else param.device
+            if param.is_meta:
+                if reader is None:
+                    raise ValueError(f"{transform.name}: {qualname} is on the meta device; materialize it first")
+                encoded = transform.encode_slices(reader.get_slice(qualname), param)
+            else:
+                encoded = transform.encode(param.detach())
+            tensors = {s: torch.nn.Parameter(t.to(target), requires_grad=transform.trainable and t.is_floating_point())
+                       for s, t in encoded.items()}
             replaced[qualname] = Replaced(transform, tensors, torch.empty_like(param, device="meta"),
                                           module_prefix, attr)
-            stand_in = torch.zeros(1, dtype=param.dtype, device=param.device).expand(param.shape)
+            stand_in = torch.zeros(1, dtype=param.dtype, device=target).expand(param.shape)
             setattr(module, attr, torch.nn.Parameter(stand_in, requires_grad=False))
     return replaced
 

@@ -102,3 +102,81 @@ def test_no_full_parameter_is_kept_from_forward_to_backward(fsdp_results):
     backward_ops = {op for r in fsdp_results for stage, ops in r["regions"] if stage == "backward" for op in ops}
     assert any("all_gather" in op for op in backward_ops), "the backward gathers the parameters again"
     assert any("reduce_scatter" in op for op in backward_ops), "gradients are reduce-scattered"
+
+
+def materialize_rank_run(rank, world, port, out, path):
+    from unittest import mock
+
+    import safetensors
+
+    from transforms import fsdp, materialize
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    requested = []
+    real_open = safetensors.safe_open
+
+    class Recorded:  # records every slice range read from the file
+        def __init__(self, key, inner):
+            self.key, self.inner = key, inner
+
+        def __getitem__(self, index):
+            requested.append((self.key, index if isinstance(index, slice) else repr(index)))
+            return self.inner[index]
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.cm = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f = self.cm.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.cm.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, key):
+            return Recorded(key, self.f.get_slice(key))
+
+        def get_tensor(self, key):
+            raise AssertionError(f"{key} read whole")
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig())
+    with mock.patch("safetensors.safe_open", Spy):
+        cm = pipeline.jit(model, executors=["torch"], transforms=[materialize(path), fsdp()])
+    shards = {n.removesuffix(".shard"): p.detach().clone() for n, p in cm.named_parameters()}
+    tokens = batches()[0]
+    with torch.no_grad():
+        logits = cm(tokens)
+    torch.save({"requested": [(k, (s.start, s.stop)) for k, s in requested], "shards": shards,
+                "logits": logits}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_materialize_and_fsdp_read_only_each_ranks_slices(tmp_path):
+    from safetensors.torch import save_file
+    torch.manual_seed(5)
+    trained = Llama(LlamaConfig())
+    path = str(tmp_path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, path)
+    mp.spawn(materialize_rank_run, args=(2, free_port(), str(tmp_path), path), nprocs=2)
+    full = trained.state_dict()
+    with torch.no_grad():
+        expected_logits = trained(batches()[0])
+    for rank in range(2):
+        r = torch.load(str(tmp_path / f"rank{rank}.pt"), weights_only=False)
+        for name, shard in r["shards"].items():
+            n = full[name].shape[0]
+            rows = -(-n // 2)
+            start, stop = rank * rows, min((rank + 1) * rows, n)
+            assert torch.equal(shard[: stop - start], full[name][start:stop]), name
+        ranges = dict(r["requested"])
+        assert set(ranges) == set(r["shards"])  # every parameter came from the file ...
+        for name, (start, stop) in ranges.items():  # ... as this rank's rows only
+            n = full[name].shape[0]
+            rows = -(-n // 2)
+            assert (start, stop) == (min(rank * rows, n), min((rank + 1) * rows, n)), name
+        torch.testing.assert_close(r["logits"], expected_logits)

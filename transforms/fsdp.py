@@ -45,6 +45,16 @@ class FSDP(ModelTransform):
         padded[: value.shape[0]] = value
         return {"shard": padded[self.rank * rows:(self.rank + 1) * rows].clone()}
 
+    def encode_slices(self, source, original):
+        """Reads only this rank's rows of the parameter from the file."""
+        n = original.shape[0]
+        rows = math.ceil(n / self.world)
+        start, stop = min(self.rank * rows, n), min((self.rank + 1) * rows, n)
+        shard = torch.zeros((rows, *original.shape[1:]), dtype=original.dtype)
+        if stop > start:
+            shard[: stop - start] = source[start:stop]
+        return {"shard": shard}
+
     def decode(self, tensors, original):
         shard = tensors["shard"].detach()
         full = shard.new_empty((shard.shape[0] * self.world, *shard.shape[1:]))

@@ -21,7 +21,9 @@ class Materialize:
         self.device = torch.device(device)
         self.name = "materialize" + (f"({checkpoint!r})" if checkpoint else "()")
 
-    def prepare_module(self, model: torch.nn.Module) -> None:
+    def prepare_module(self, model: torch.nn.Module, skip: frozenset = frozenset()) -> None:
+        """Gives every meta tensor of `model` storage and values; `skip`: state-dict keys already
+        loaded (by model transforms that read their own slices)."""
         on_meta = [(name, m) for name, m in model.named_modules() if _has_meta_state(m)]
         if not on_meta:
             return
@@ -34,19 +36,19 @@ class Materialize:
             raise ValueError(f"materialize: modules {missing} have meta tensors but no reset_parameters() to "
                              f"initialise them; give them one" + ("" if self.checkpoint else ", or pass a checkpoint"))
         for _, module in on_meta:
-            module.to_empty(device=self.device, recurse=False)
+            _to_empty_meta_only(module, self.device)
         with torch.no_grad():
             for _, module in needs_init:
                 module.reset_parameters()
         if self.checkpoint is not None:
-            load_tensors(model, self.checkpoint)
+            load_tensors(model, self.checkpoint, skip)
 
 
-def load_tensors(model: torch.nn.Module, path: str) -> None:
+def load_tensors(model: torch.nn.Module, path: str, skip: frozenset = frozenset()) -> None:
     """Copies each parameter and persistent buffer from the safetensors file, reading tensor by tensor."""
     from safetensors import safe_open
 
-    state = model.state_dict(keep_vars=True)
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in skip}
     with safe_open(path, framework="pt") as f, torch.no_grad():
         keys = set(f.keys())
         missing = [k for k in state if k not in keys and not k.endswith("_extra_state")]
@@ -59,6 +61,17 @@ def load_tensors(model: torch.nn.Module, path: str) -> None:
                     raise ValueError(f"materialize: {key} is {tuple(source.shape)} in {path}, "
                                      f"the model expects {tuple(target.shape)}")
                 target.copy_(source)
+
+
+def _to_empty_meta_only(module: torch.nn.Module, device) -> None:
+    """Like `module.to_empty(recurse=False)`, but only for tensors still on the meta device."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        if param.is_meta:
+            setattr(module, name, torch.nn.Parameter(torch.empty_like(param, device=device),
+                                                     requires_grad=param.requires_grad))
+    for name, buf in list(module.named_buffers(recurse=False)):
+        if buf.is_meta:
+            module._buffers[name] = torch.empty_like(buf, device=device)
 
 
 def _non_persistent_buffers(module: torch.nn.Module) -> bool:

@@ -28,6 +28,11 @@ class ModelTransform:
         transform-owned state (e.g. scales) loading a state dict keeps."""
         raise NotImplementedError
 
+    def encode_slices(self, source, original: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`encode` for a parameter still on the meta device, read from a safetensors slice `source`
+        (`source[a:b]` reads rows a..b). The default reads it whole; FSDP reads only its shard."""
+        return self.encode(source[:])
+
     def decode(self, tensors: dict[str, torch.Tensor], original: torch.Tensor) -> torch.Tensor:
         """The original parameter's value from the new tensors (`original`: its shape and dtype)."""
         raise NotImplementedError
