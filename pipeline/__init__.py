@@ -5,11 +5,11 @@
     print(pipeline.regions(cm))        # which executor ran which ops
     print(pipeline.last_traces(cm)[-1])  # the execution trace, as Python
 """
-from .checkpoint import load, save
+from .checkpoint import load, load_full, save
 from .compiler import PassError
 from .inspect import CompileStats, Explanation, RegionTable, compile_stats, explain, last_traces, regions
 from .jit import GraphBreakError, JittedFunction, JittedModule, jit
 from .profile import profile
 
-__all__ = ["jit", "profile", "save", "load", "regions", "last_traces", "compile_stats", "explain", "GraphBreakError", "PassError",
+__all__ = ["jit", "profile", "save", "load", "load_full", "regions", "last_traces", "compile_stats", "explain", "GraphBreakError", "PassError",
            "JittedModule", "JittedFunction", "RegionTable", "CompileStats", "Explanation"]

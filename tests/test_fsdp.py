@@ -55,15 +55,29 @@ def rank_run(rank, world, port, out):
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     state = cm.state_dict()  # gathers the shards: every rank takes part
+    checkpoint = os.path.join(out, "ckpt")
+    pipeline.save(cm, checkpoint, optimizer=opt)  # each rank writes its part
+    torch.manual_seed(rank + 10)
+    resumed_model = Llama(LlamaConfig())
+    resumed = pipeline.jit(resumed_model, executors=["torch"], transforms=[fsdp()])
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    pipeline.load(resumed, checkpoint, optimizer=resumed_opt)
+    for tokens in batches()[:2]:
+        part = tokens.chunk(world)[rank]
+        for m, o in ((cm, opt), (resumed, resumed_opt)):
+            next_token_loss(m(part), part).backward()
+            o.step()
+            o.zero_grad()
+    resumes_identically = all(torch.equal(a, b) for a, b in zip(cm.parameters(), resumed.parameters()))
     saved = [n for t in pipeline.last_traces(cm) if t.name == "g0_forward"
              for n, s in zip(t.output_values(), t.outputs) if s.kind == "saved"]
     full_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() >= 1 and p.numel() > 1}
     keeps_full_param = any(
         n.op != "placeholder" and "wait_tensor" in str(n.target) for n in saved)
-    torch.save({"losses": losses, "state": state if rank == 0 else None,
+    torch.save({"losses": losses, "state": state if rank == 0 else None, "checkpoint": checkpoint,
                 "param_bytes": sum(p.numel() * p.element_size() for p in cm.parameters()),
                 "full_param_bytes": full_param_bytes, "grad_bytes": grad_bytes,
-                "keeps_full_param": keeps_full_param, "regions": [(r.stage, r.ops) for r in pipeline.regions(cm)]},
+                "keeps_full_param": keeps_full_param, "resumes_identically": resumes_identically, "regions": [(r.stage, r.ops) for r in pipeline.regions(cm)]},
                os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -95,6 +109,20 @@ def test_each_rank_holds_half_the_parameters_and_gradients(fsdp_results):
     for r in fsdp_results:
         assert r["param_bytes"] <= r["full_param_bytes"] // 2 + 4096  # padding of odd first dims
         assert r["grad_bytes"] == r["param_bytes"]
+
+
+def test_sharded_checkpoint_resumes_training_identically(fsdp_results):
+    assert all(r["resumes_identically"] for r in fsdp_results)
+
+
+def test_sharded_checkpoint_loads_into_an_eager_copy(fsdp_results, tmp_path_factory):
+    path = fsdp_results[0]["checkpoint"]
+    files = sorted(os.listdir(path))
+    assert files == ["rank0-of-2.safetensors", "rank1-of-2.safetensors"]
+    eager = Llama(LlamaConfig())
+    eager.load_state_dict(pipeline.load_full(path))
+    for key, value in eager.state_dict().items():
+        assert torch.equal(value, fsdp_results[0]["state"][key]), key
 
 
 def test_no_full_parameter_is_kept_from_forward_to_backward(fsdp_results):

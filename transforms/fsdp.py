@@ -55,6 +55,12 @@ class FSDP(ModelTransform):
             shard[: stop - start] = source[start:stop]
         return {"shard": shard}
 
+    def rows(self, original) -> tuple[int, int]:
+        """The rows [start, stop) of the original parameter this rank holds."""
+        n = original.shape[0]
+        per = math.ceil(n / self.world)
+        return min(self.rank * per, n), min((self.rank + 1) * per, n)
+
     def decode(self, tensors, original):
         shard = tensors["shard"].detach()
         full = shard.new_empty((shard.shape[0] * self.world, *shard.shape[1:]))
