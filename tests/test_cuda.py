@@ -161,3 +161,18 @@ def test_gpu_executors_train_hf_llama(names):
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
     assert_grads_close(model, eager, 1e-1, 2e-2)
+
+
+@pytest.mark.parametrize("kind, tolerance", [("int8", 0.02), ("fp8", 0.08)])
+def test_quantized_llama_on_cuda_is_close_to_full_precision(kind, tolerance):
+    from transforms import quantize
+    model, _ = llama_pair(torch.float32)
+    model.eval()
+    tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
+    with torch.no_grad():
+        reference = model(tokens)
+    cm = pipeline.jit(model, executors=["inductor"], transforms=[quantize(kind)])
+    with torch.no_grad():
+        out = cm(tokens)
+    assert ((out - reference).norm() / reference.norm()).item() < tolerance
+    assert all(p.device.type == "cuda" for p in cm.parameters())
