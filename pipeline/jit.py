@@ -43,6 +43,9 @@ class CompileState:
     recompiles: int = 0
     generation: int = 0                      # number of calls that compiled something
     capture_seconds: float = 0.0
+    dynamic: Optional[bool] = None
+    first_shapes: Optional[tuple] = None     # input shapes of the first call (automatic dynamic)
+    generalized: bool = False                # whether a shape change already made inputs dynamic
 
 
 def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transforms: Sequence = (),
@@ -70,7 +73,7 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     resolved = resolve(executors)
     passes, replaced = _apply_transforms(model_or_fn, list(transforms))
     state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
-                         fullgraph=fullgraph, replaced=replaced)
+                         fullgraph=fullgraph, replaced=replaced, dynamic=dynamic)
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)
     else:
@@ -118,6 +121,8 @@ def _owners(obj) -> dict[int, tuple[str, str]]:
 def _call(runner, state: CompileState, args, kwargs):
     """Runs the compiled callable; notes graph breaks and capture time when this call compiled."""
     from torch._dynamo.utils import counters
+    if state.dynamic is None and not state.generalized and not isinstance(runner, GradCapture):
+        _generalize_on_shape_change(state, args, kwargs)
     n_records = len(state.records)
     breaks_before = _raw_break_counts(counters)  # cheap copies; parsed only if this call compiled
     start = time.perf_counter()
@@ -142,6 +147,26 @@ def _call(runner, state: CompileState, args, kwargs):
             state.graph_breaks += [reason] * (count - before.get(reason, 0))
         _note_recompile_reasons(state.records[n_records:])
     return out
+
+
+def _generalize_on_shape_change(state: CompileState, args, kwargs) -> None:
+    """Automatic dynamic, in one step: at the first call whose input shapes differ from the first
+    call's, every dim of a changed input becomes dynamic except a floating-point tensor's last (its
+    feature size) — so a new batch size and later a new sequence length cost one recompilation,
+    not one each."""
+    from torch.utils import _pytree as pytree
+    tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    if state.first_shapes is None:
+        state.first_shapes = shapes
+        return
+    if shapes == state.first_shapes:
+        return
+    for t, first in zip(tensors, state.first_shapes):
+        if tuple(t.shape) != first and t.dim() > 0:
+            last = t.dim() - 1 if t.is_floating_point() and t.dim() > 1 else t.dim()
+            torch._dynamo.maybe_mark_dynamic(t, list(range(last)))
+    state.generalized = True
 
 
 def _note_recompile_reasons(records) -> None:

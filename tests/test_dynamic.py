@@ -28,15 +28,21 @@ def test_dynamic_true_compiles_once_for_all_batch_and_sequence_sizes(executor):
     assert [r.executor for r in pipeline.regions(cm)] == [executor]  # one region, compiled once
 
 
-def test_automatic_dynamic_recompiles_once_for_new_batch_sizes():
+def test_automatic_dynamic_recompiles_once_for_new_batch_then_sequence_sizes():
     block = LlamaBlock(LlamaConfig()).eval()
     cm = pipeline.jit(block, executors=["torch"])
-    with torch.no_grad():
-        for batch in (3, 5, 8, 16, 64):
-            x = torch.randn(batch, 16, 64)
-            torch.testing.assert_close(cm(x), block(x), rtol=1e-5, atol=1e-5)
+    run_shapes(cm, block)  # batch 3, 5, 8, 16, 64, then sequence 7, 19, 33
     stats = pipeline.compile_stats(cm)
     assert stats.recompilations == 1 and "size mismatch at index 0" in stats.recompile_reasons[0]
+
+
+def test_automatic_dynamic_keeps_the_feature_size_static():
+    block = LlamaBlock(LlamaConfig()).eval()
+    cm = pipeline.jit(block, executors=["torch"])
+    run_shapes(cm, block)
+    lowered = [t for t in pipeline.last_traces(cm) if t.name.endswith("_inference")][0]
+    x_line = next(line for line in str(lowered).splitlines() if "user_input" in line)
+    assert ": f32[s" in x_line and ", 64]" in x_line, x_line  # x: f32[s0, s1, 64]
 
 
 def test_dtype_change_recompiles_and_names_the_failed_guard(mlp):
