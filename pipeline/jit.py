@@ -234,6 +234,16 @@ class JittedModule(torch.nn.Module):
             else:
                 yield prefix + name, param
 
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.cuda()`, `.double()`, ... also reach the tensors model transforms own."""
+        super()._apply(fn, recurse)
+        for r in self._state.replaced.values():
+            for tensor in r.tensors.values():
+                tensor.data = fn(tensor.data)
+            dtype = fn(torch.zeros(1, dtype=r.original.dtype)).dtype  # `original` stays on meta
+            r.original = torch.empty(r.original.shape, dtype=dtype, device="meta")
+        return self
+
     def state_dict(self, *args, **kwargs):
         """The original model's state dict (keys and full shapes), whatever transforms did."""
         return model_state.state_dict(self._original.state_dict(*args, **kwargs), self._state.replaced)

@@ -106,3 +106,15 @@ def test_int8_with_inductor_fuses_the_dequantize(llama_and_tokens):
     with torch.no_grad():
         assert relative_error(cm(tokens), reference) < 0.02
     assert [r.executor for r in pipeline.regions(cm)] == ["inductor"]
+
+
+def test_moving_the_model_moves_the_quantized_tensors(llama_and_tokens):
+    model, tokens = llama_and_tokens
+    reference = copy.deepcopy(model).double()
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")]).double()
+    params = dict(cm.named_parameters())
+    assert params["head.weight.q"].dtype == torch.int8 and params["head.weight.scale"].dtype == torch.float64
+    with torch.no_grad():
+        out = cm(tokens)
+        assert out.dtype == torch.float64
+        assert relative_error(out, reference(tokens)) < 0.02
