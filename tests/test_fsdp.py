@@ -208,3 +208,20 @@ def test_materialize_and_fsdp_read_only_each_ranks_slices(tmp_path):
             rows = -(-n // 2)
             assert (start, stop) == (min(rank * rows, n), min((rank + 1) * rows, n)), name
         torch.testing.assert_close(r["logits"], expected_logits)
+
+
+def test_uneven_first_dims_are_padded_and_read_back_exactly():
+    from transforms.fsdp import FSDP
+    shards = []
+    for rank in range(2):
+        t = FSDP.__new__(FSDP)  # a rank's view without a process group: encode/rows are local
+        t.world, t.rank = 2, rank
+        value = torch.arange(15.0).view(5, 3)
+        shard = t.encode(value)["shard"]
+        assert shard.shape == (3, 3)
+        start, stop = t.rows(value)
+        assert torch.equal(shard[: stop - start], value[start:stop])
+        assert torch.equal(t.encode_slices(value, value)["shard"], shard)  # a tensor slices like a file
+        shards.append(shard)
+    assert torch.equal(torch.cat(shards)[:5], torch.arange(15.0).view(5, 3))
+    assert torch.equal(shards[1][2], torch.zeros(3))  # the padding row
