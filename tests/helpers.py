@@ -38,3 +38,43 @@ def assert_same_grads(eager, jitted, exact=True, rtol=1.3e-6, atol=1e-5):
             assert torch.equal(p.grad, q.grad), f"grad of {name} differs by {(p.grad - q.grad).abs().max()}"
         else:
             torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol, msg=f"grad of {name}")
+
+
+def recording_safe_open(requested: list):
+    """A stand-in for `safetensors.safe_open` that records every (key, index) read through
+    `get_slice(key)[index]` and fails on whole-tensor reads (`get_tensor`)."""
+    import safetensors
+    real_open = safetensors.safe_open
+
+    class Recorded:
+        def __init__(self, key, inner):
+            self.key, self.inner = key, inner
+
+        def __getitem__(self, index):
+            requested.append((self.key, index))
+            return self.inner[index]
+
+    class SafeOpen:
+        def __init__(self, *args, **kwargs):
+            self.cm = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f = self.cm.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.cm.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def metadata(self):
+            return self.f.metadata()
+
+        def get_slice(self, key):
+            return Recorded(key, self.f.get_slice(key))
+
+        def get_tensor(self, key):
+            raise AssertionError(f"{key} was read whole, not through slices")
+
+    return SafeOpen

@@ -135,45 +135,14 @@ def test_no_full_parameter_is_kept_from_forward_to_backward(fsdp_results):
 def materialize_rank_run(rank, world, port, out, path):
     from unittest import mock
 
-    import safetensors
-
+    from helpers import recording_safe_open
     from transforms import fsdp, materialize
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     requested = []
-    real_open = safetensors.safe_open
-
-    class Recorded:  # records every slice range read from the file
-        def __init__(self, key, inner):
-            self.key, self.inner = key, inner
-
-        def __getitem__(self, index):
-            requested.append((self.key, index if isinstance(index, slice) else repr(index)))
-            return self.inner[index]
-
-    class Spy:
-        def __init__(self, *args, **kwargs):
-            self.cm = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.f = self.cm.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.cm.__exit__(*exc)
-
-        def keys(self):
-            return self.f.keys()
-
-        def get_slice(self, key):
-            return Recorded(key, self.f.get_slice(key))
-
-        def get_tensor(self, key):
-            raise AssertionError(f"{key} read whole")
-
     with torch.device("meta"):
         model = Llama(LlamaConfig())
-    with mock.patch("safetensors.safe_open", Spy):
+    with mock.patch("safetensors.safe_open", recording_safe_open(requested)):
         cm = pipeline.jit(model, executors=["torch"], transforms=[materialize(path), fsdp()])
     shards = {n.removesuffix(".shard"): p.detach().clone() for n, p in cm.named_parameters()}
     tokens = batches()[0]

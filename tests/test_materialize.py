@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 import pipeline
+from helpers import recording_safe_open
 from models import Llama, LlamaConfig
 from transforms import materialize, quantize
 
@@ -31,35 +32,11 @@ def test_meta_model_loads_a_checkpoint_tensor_by_tensor(tmp_path):
     trained = Llama(LlamaConfig()).eval()
     path = str(tmp_path / "model.safetensors")
     save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, path)
-    import safetensors
-    real_open = safetensors.safe_open
     requested = []
-
-    class Spy:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.f = self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.f.keys()
-
-        def get_slice(self, key):
-            requested.append(key)
-            return self.f.get_slice(key)
-
-        def get_tensor(self, key):  # reading whole tensors is not how materialize reads
-            raise AssertionError("materialize must read through get_slice")
-
     model = meta_llama().eval()
-    with mock.patch("safetensors.safe_open", Spy):
+    with mock.patch("safetensors.safe_open", recording_safe_open(requested)):
         cm = pipeline.jit(model, executors=["torch"], transforms=[materialize(path)])
-    assert sorted(requested) == sorted(trained.state_dict())
+    assert sorted(key for key, _ in requested) == sorted(trained.state_dict())
     tokens = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         assert torch.equal(cm(tokens), trained(tokens))
