@@ -55,6 +55,11 @@ class PipelineBackend:
         except PassError:
             raise
         except Exception as e:  # anything the pipeline cannot compile runs in eager, with the reason
+            if state.replaced:  # the captured graph reads stand-ins for the transformed parameters
+                raise RuntimeError(f"pipeline: graph {record.graph_id} of a model changed by "
+                                   f"{sorted({r.transform.name for r in state.replaced.values()})} could "
+                                   f"not be compiled, and cannot run in eager on the original parameters "
+                                   f"(they were replaced): {type(e).__name__}: {e}") from e
             record.eager_fallback = f"{type(e).__name__}: {str(e).strip()[:500]}"
             warnings.warn(f"pipeline: graph {record.graph_id} runs in eager: {record.eager_fallback}")
             return gm.forward

@@ -118,3 +118,16 @@ def test_moving_the_model_moves_the_quantized_tensors(llama_and_tokens):
         out = cm(tokens)
         assert out.dtype == torch.float64
         assert relative_error(out, reference(tokens)) < 0.02
+
+
+def test_a_transformed_model_that_cannot_compile_fails_loudly(llama_and_tokens, monkeypatch):
+    import pipeline.compiler as compiler
+    model, tokens = llama_and_tokens
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("no lowering for this construct")
+    monkeypatch.setattr(compiler, "aot_module_simplified", broken)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    with pytest.raises(Exception, match="cannot run in eager on the original parameters"):
+        with torch.no_grad():
+            cm(tokens)
