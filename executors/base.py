@@ -55,6 +55,18 @@ class Executor:
         return f"<executor {self.name} ({self.kind})>"
 
 
+def static_stride(value) -> tuple[int, ...] | None:
+    """A fake or real tensor's stride when every entry is a plain int, else None."""
+    if isinstance(value, torch.Tensor) and all(isinstance(s, int) for s in value.stride()):
+        return tuple(value.stride())
+    return None
+
+
+def restrided(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """`t` copied into the layout `stride` (what a region's trace promised its consumers)."""
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def is_symbolic_glue(target) -> bool:
     """Python-level arithmetic on sizes (operator.mul on SymInts, sym_size, ...)."""
     if isinstance(target, torch._ops.OpOverload):

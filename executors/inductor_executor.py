@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ir import node_value
 
-from .base import Executor, is_symbolic_glue
+from .base import Executor, is_symbolic_glue, restrided, static_stride
 
 
 class InductorExecutor(Executor):
@@ -61,8 +61,7 @@ class InductorExecutor(Executor):
         def run(*args):
             outs = list(compiled(list(args)))
             for i, stride in restride:
-                outs[i] = torch.empty_strided(outs[i].shape, stride, dtype=outs[i].dtype,
-                                              device=outs[i].device).copy_(outs[i])
+                outs[i] = restrided(outs[i], stride)
             return tuple(outs)
         return run
 
@@ -89,11 +88,8 @@ def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple
     out = []
     for i, (node, got) in enumerate(zip(promised, actual)):
         val = node_value(node) if isinstance(node, fx.Node) else None
-        if not isinstance(val, torch.Tensor) or got is None:
-            continue
-        want = tuple(val.stride())
-        if all(isinstance(s, int) for s in want) and all(isinstance(s, int) for s in got) \
-                and tuple(got) != want and val.numel() > 1:
+        want = static_stride(val)
+        if want is not None and got is not None and tuple(got) != want and val.numel() > 1:
             out.append((i, want))
     return out
 

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ir import node_value
 
-from .base import Executor
+from .base import Executor, restrided, static_stride
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -81,7 +81,7 @@ class _FusionRunner:
         self.gm = gm
         self.fusions: dict[tuple, object] = {}
         out = gm.graph.find_nodes(op="output")[0].args[0]
-        self.promised = [_static_stride(node_value(n)) if isinstance(n, fx.Node) else None for n in out]
+        self.promised = [static_stride(node_value(n)) if isinstance(n, fx.Node) else None for n in out]
 
     def __call__(self, *args):
         key = _key(args)
@@ -100,8 +100,7 @@ class _FusionRunner:
             outs = fd.execute(list(args))
         for i, stride in enumerate(self.promised):
             if stride is not None and outs[i].stride() != stride and outs[i].numel() > 1:
-                outs[i] = torch.empty_strided(outs[i].shape, stride, dtype=outs[i].dtype,
-                                              device=outs[i].device).copy_(outs[i])
+                outs[i] = restrided(outs[i], stride)
         return tuple(outs)
 
 
@@ -125,8 +124,7 @@ def _zeros_like(v):
             shape, stride = [int(s) for s in v.shape], [int(s) for s in v.stride()]
         except (TypeError, ValueError):
             return None
-        return torch.zeros_strided(shape, stride, dtype=v.dtype, device=v.device) if hasattr(torch, "zeros_strided") \
-            else torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device).zero_()
+        return torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device).zero_()
     if isinstance(v, (int, float, bool)):
         return v
     return None
@@ -136,12 +134,6 @@ def _signature(a):
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.dim(), tuple(s == 1 for s in a.shape), a.stride() if a.dim() else ())
     return type(a)
-
-
-def _static_stride(v):
-    if isinstance(v, torch.Tensor) and all(isinstance(s, int) for s in v.stride()):
-        return tuple(v.stride())
-    return None
 
 
 def _build(gm: fx.GraphModule, inputs: Sequence):
@@ -425,16 +417,9 @@ def _log_softmax_backward(fd, node, grad, y, dim, input_dtype):
 
 
 # -- views -------------------------------------------------------------------------------------------
-def _shape_arg(node: fx.Node, shape):
-    """A target shape with the trace's concrete sizes as -1 where they equal the input's (so the
-    fusion stays symbolic in them)."""
-    out = node_value(node).shape
-    return [s if not isinstance(s, int) else (1 if s == 1 else s) for s in (shape if shape is not None else out)]
-
-
 @_op(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _reshape(fd, node, x, shape):
-    return fd.ops.reshape(x, _shape_arg(node, shape))
+    return fd.ops.reshape(x, list(shape))
 
 
 @_op(aten.permute.default)

@@ -7,6 +7,7 @@ execution trace (one `call_module` per region, printable and runnable) plus a `R
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import operator
@@ -104,7 +105,7 @@ def _compile_isolated(ex: Executor, source: fx.GraphModule, example_inputs):
     AOTAutograd compilation this region is part of."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
     fake_mode = detect_fake_mode(example_inputs)
-    with tracing(TracingContext(fake_mode)) if fake_mode is not None else _null():
+    with tracing(TracingContext(fake_mode)) if fake_mode is not None else contextlib.nullcontext():
         return ex.compile_region(source, example_inputs)
 
 
@@ -164,11 +165,3 @@ def _short(target) -> str:
         ns = "" if target.namespace == "aten" else f"{target.namespace}."
         return f"{ns}{target._opname}"
     return getattr(target, "__name__", str(target))
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

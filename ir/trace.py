@@ -138,6 +138,21 @@ def node_value(node: fx.Node) -> Any:
     return meta["val"] if "val" in meta else meta.get("example_value")
 
 
+def fake_like(like: torch.Tensor, shape, *, stride=None, dtype=None, device=None) -> torch.Tensor:
+    """An empty tensor of `shape` (and `stride`) in the fake mode of `like`, with `like`'s dtype and
+    device unless given: the metadata a pass sets on the nodes it creates. A meta tensor when `like`
+    is not fake."""
+    dtype = like.dtype if dtype is None else dtype
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
+        return torch.empty(tuple(shape), dtype=dtype, device="meta")
+    device = like.device if device is None else device
+    with mode:
+        if stride is None:
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+        return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device=device)
+
+
 def describe_value(v: Any) -> str:
     """`f32[8, 16]` for a tensor, a tuple of those for tuples, the type otherwise."""
     if isinstance(v, torch.Tensor):

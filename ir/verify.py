@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .trace import Trace, node_value
+from .trace import Trace
 
 
 class TraceError(ValueError):

@@ -13,14 +13,13 @@ import time
 import warnings
 from typing import Sequence
 
-import torch
 import torch.fx as fx
 from functorch.compile import min_cut_rematerialization_partition
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import CompileContext, TracingContext
 
-from executors import Executor, dispatch
-from ir import OutputSpec, Step, Trace, node_value
+from executors import dispatch
+from ir import OutputSpec, Step, Trace
 from transforms import TracePass
 
 from .boxed import boxed

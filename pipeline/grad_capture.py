@@ -14,7 +14,6 @@ detaches are removed. Detaches the user wrote are marked while tracing and kept.
 from __future__ import annotations
 
 import dataclasses
-import dis
 import types
 from typing import Any, Callable
 

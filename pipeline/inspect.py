@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from ir import Region, Trace
+from ir import Trace
 
 
 def _state(cm):

@@ -153,9 +153,8 @@ def _generalize_on_shape_change(state: CompileState, args, kwargs) -> None:
     """Automatic dynamic, in one step: at the first call whose input shapes differ from the first
     call's, every dim of a changed input becomes dynamic except a floating-point tensor's last (its
     feature size) — so a new batch size and later a new sequence length cost one recompilation,
-    not one each."""
-    from torch.utils import _pytree as pytree
-    tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    not one each. Tensors nested in containers are left to Dynamo's own automatic dynamic."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]  # cheap: every call
     shapes = tuple(tuple(t.shape) for t in tensors)
     if state.first_shapes is None:
         state.first_shapes = shapes

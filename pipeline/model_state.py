@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.fx as fx
 
 from ir import InputSpec, Trace, node_value
 from transforms.model_transform import ModelTransform
@@ -122,7 +121,7 @@ def load_state_dict(model: torch.nn.Module, state: dict, replaced: dict[str, Rep
         extra = {s: rest.pop(k) for s, k in r.extra_keys().items() if k in rest}
         if qualname not in rest:
             continue
-        like = {**{s: t for s, t in r.tensors.items()}, **extra} if extra else None
+        like = {**r.tensors, **extra} if extra else None
         encoded = r.transform.encode(rest.pop(qualname).to(r.tensors[next(iter(r.tensors))].device), like)
         with torch.no_grad():
             for suffix, tensor in encoded.items():

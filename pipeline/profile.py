@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile as torch_profile
 
 from executors import CompiledRegion
 
-from .inspect import RegionTable, _clip, _summarize, format_table, regions
+from .inspect import _clip, _summarize, format_table, regions
 
 
 @dataclasses.dataclass
@@ -40,7 +40,6 @@ class ProfileTable(list):
 def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None, **kwargs) -> ProfileTable:
     """Runs `cm(*args, **kwargs)` once (and the backward of its output's sum when it requires grad
     and `backward` is set) under the profiler; returns the time per region."""
-    table: RegionTable = regions(cm)
     cm(*args, **kwargs)  # compile first, so compilation is not profiled
     use_cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
@@ -58,7 +57,7 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
         prof.export_chrome_trace(chrome_trace)
     by_label = {e.key: e for e in prof.key_averages()}
     result = ProfileTable()
-    for r in regions(cm) or table:
+    for r in regions(cm):
         event = by_label.get(f"region{r.id}:{r.executor}")
         if event is None:
             continue

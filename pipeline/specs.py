@@ -90,7 +90,6 @@ def _kind_from_source(node: fx.Node) -> str:
 
 
 def _source_name(node: fx.Node) -> Optional[str]:
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
-    return source.name if isinstance(getattr(source, "name", None), str) else (
-        source.name() if source is not None and callable(getattr(source, "name", None)) else None)
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)  # a method on older torch, a property on newer
+    return name() if callable(name) else name

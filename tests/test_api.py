@@ -3,9 +3,7 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
-import executors
 import pipeline
 from executors import Executor
 

@@ -1,6 +1,4 @@
 """pipeline.save / pipeline.load: model and optimizer state through safetensors."""
-import copy
-
 import pytest
 import torch
 from safetensors.torch import load_file

@@ -71,7 +71,6 @@ def rank_run(rank, world, port, out):
     resumes_identically = all(torch.equal(a, b) for a, b in zip(cm.parameters(), resumed.parameters()))
     saved = [n for t in pipeline.last_traces(cm) if t.name == "g0_forward"
              for n, s in zip(t.output_values(), t.outputs) if s.kind == "saved"]
-    full_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() >= 1 and p.numel() > 1}
     keeps_full_param = any(
         n.op != "placeholder" and "wait_tensor" in str(n.target) for n in saved)
     torch.save({"losses": losses, "state": state if rank == 0 else None, "checkpoint": checkpoint,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ir import Trace, node_value
+from ir import Trace, fake_like, node_value
 
 from .base import TracePass
 
@@ -54,7 +54,7 @@ def _offload_saved_outputs(trace: Trace, offloaded) -> fx.GraphModule:
         with gm.graph.inserting_before(output):
             copy = gm.graph.call_function(aten._to_copy.default, (value,), {
                 "device": torch.device("cpu"), "pin_memory": on_cuda, "non_blocking": on_cuda})
-        copy.meta["val"] = _on_device(fake, torch.device("cpu"))
+        copy.meta["val"] = _on_cpu(fake)
         values[i] = copy
     output.args = (tuple(values),)
     gm.recompile()
@@ -75,7 +75,7 @@ def _reload_saved_inputs(trace: Trace, offloaded) -> fx.GraphModule:
                 "device": fake.device, "non_blocking": fake.device.type == "cuda"})
         reload.meta["val"] = fake
         node.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)
-        node.meta["val"] = _on_device(fake, torch.device("cpu"))
+        node.meta["val"] = _on_cpu(fake)
     gm.recompile()
     return gm
 
@@ -85,9 +85,8 @@ def _position(gm: fx.GraphModule):
     return order.__getitem__
 
 
-def _on_device(fake: torch.Tensor, device: torch.device) -> torch.Tensor:
-    with fake.fake_mode:
-        return torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=device)
+def _on_cpu(fake: torch.Tensor) -> torch.Tensor:
+    return fake_like(fake, fake.shape, stride=fake.stride(), device=torch.device("cpu"))
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ir import Trace, node_value
+from ir import Trace, fake_like, node_value
 
 from .base import TracePass
 from .model_transform import ModelTransform
@@ -73,20 +73,20 @@ class FSDP(ModelTransform):
         shard = inputs["shard"]
         fake_shard = node_value(shard)
         gathered = graph.call_function(gather, (shard, 0, self.group.group_name))
-        gathered.meta["val"] = _fake(fake_shard, (fake_shard.shape[0] * self.world, *fake_shard.shape[1:]))
+        gathered.meta["val"] = fake_like(fake_shard, (fake_shard.shape[0] * self.world, *fake_shard.shape[1:]))
         waited = graph.call_function(fcol.wait_tensor, (gathered,))
         waited.meta["val"] = gathered.meta["val"]
         full = waited
         if gathered.meta["val"].shape[0] != original.shape[0]:
             full = graph.call_method("narrow", (waited, 0, 0, original.shape[0]))
-            full.meta["val"] = _fake(fake_shard, tuple(original.shape))
+            full.meta["val"] = fake_like(fake_shard, original.shape)
         # value unchanged (x + 0); gradient scaled by 1/world: the ranks' mean, as one whole batch
         detached = graph.call_method("detach", (full,))
         delta = graph.call_function(operator.sub, (full, detached))
         scaled = graph.call_function(operator.mul, (delta, 1.0 / self.world))
         value = graph.call_function(operator.add, (detached, scaled))
         for n in (detached, delta, scaled, value):
-            n.meta["val"] = _fake(fake_shard, tuple(original.shape))
+            n.meta["val"] = fake_like(fake_shard, original.shape)
         for n in (gathered, waited, full, detached, delta, scaled, value):
             n.meta["example_value"] = n.meta["val"]
         return value
@@ -110,14 +110,6 @@ def regather_in_backward(trace: Trace) -> Trace:
             derived.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return trace.derive(gm, by="fsdp.regather_in_backward")
-
-
-def _fake(like, shape):
-    mode = getattr(like, "fake_mode", None)
-    if mode is None:
-        return torch.empty(shape, dtype=like.dtype, device="meta")
-    with mode:
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 def fsdp(process_group=None) -> FSDP:

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ir import fake_like, node_value
+
 from .model_transform import ModelTransform
 
 _FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
@@ -51,23 +53,13 @@ class WeightOnlyQuantization(ModelTransform):
         q, scale = inputs["q"], inputs["scale"]
         wide = graph.call_method("to", (q, original.dtype))
         value = graph.call_function(torch.mul, (wide, scale))
-        fake = _fake_like(q, original)
+        fake = fake_like(node_value(q), original.shape, dtype=original.dtype, device=original.device)
         wide.meta["val"] = wide.meta["example_value"] = fake
         value.meta["val"] = value.meta["example_value"] = fake
         return value
 
     def extra_state(self, tensors):
         return {"scale": tensors["scale"]}
-
-
-def _fake_like(node: fx.Node, original: torch.Tensor):
-    from ir import node_value
-    fake = node_value(node)
-    mode = getattr(fake, "fake_mode", None)
-    if mode is None:
-        return torch.empty_like(original, device="meta")
-    with mode:
-        return torch.empty(original.shape, dtype=original.dtype, device=original.device)
 
 
 def quantize(kind: str = "int8") -> WeightOnlyQuantization:
