@@ -38,6 +38,23 @@ class Executor:
         """Whether this executor runs the call_function `node` as it stands."""
         return node.op == "call_function" and self.claims_op(node.target, node)
 
+    def for_model(self) -> "Executor":
+        """The instance one jitted model uses. Executors that keep per-model state (TE's fp8 scaling
+        history) return a fresh copy; stateless ones return themselves."""
+        return self
+
+    def before_call(self) -> None:
+        """Runs at the start of every call of a jitted model (e.g. to update fp8 scales from the
+        previous step's amaxes). Override only when needed: it costs a Python call per step."""
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """State this executor keeps for the model, as state-dict entries (`<module>._extra_state.*`)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> set[str]:
+        """Takes the entries of `state` this executor owns; returns their keys."""
+        return set()
+
     def prepare(self, trace):
         """Before autodiff, on the captured trace: swap ops this executor must receive whole (e.g. a
         linear with its own backward) for custom ops. Returns (trace, [(op, why it was left alone)])."""

@@ -44,6 +44,7 @@ class CompileState:
     generation: int = 0                      # number of calls that compiled something
     capture_seconds: float = 0.0
     dynamic: Optional[bool] = None
+    call_hooks: list = dataclasses.field(default_factory=list)  # executors' before_call
     first_shapes: Optional[tuple] = None     # input shapes of the first call (automatic dynamic)
     generalized: bool = False                # whether a shape change already made inputs dynamic
 
@@ -70,10 +71,11 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
     if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
-    resolved = resolve(executors)
+    resolved = [e.for_model() for e in resolve(executors)]
     passes, replaced = _apply_transforms(model_or_fn, list(transforms))
     state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
                          fullgraph=fullgraph, replaced=replaced, dynamic=dynamic)
+    state.call_hooks = [e.before_call for e in resolved if type(e).before_call is not Executor.before_call]
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)
     else:
@@ -123,6 +125,8 @@ def _call(runner, state: CompileState, args, kwargs):
     from torch._dynamo.utils import counters
     if state.dynamic is None and not state.generalized and not isinstance(runner, GradCapture):
         _generalize_on_shape_change(state, args, kwargs)
+    for hook in state.call_hooks:
+        hook()
     n_records = len(state.records)
     breaks_before = _raw_break_counts(counters)  # cheap copies; parsed only if this call compiled
     start = time.perf_counter()
@@ -245,9 +249,17 @@ class JittedModule(torch.nn.Module):
 
     def state_dict(self, *args, **kwargs):
         """The original model's state dict (keys and full shapes), whatever transforms did."""
-        return model_state.state_dict(self._original.state_dict(*args, **kwargs), self._state.replaced)
+        out = model_state.state_dict(self._original.state_dict(*args, **kwargs), self._state.replaced)
+        for executor in self._state.executors:  # e.g. TE's fp8 scaling state, `<module>._extra_state.*`
+            out.update(executor.extra_state())
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        taken = set()
+        for executor in self._state.executors:
+            taken |= executor.load_extra_state(state_dict)
+        if taken:
+            state_dict = {k: v for k, v in state_dict.items() if k not in taken}
         if self._state.replaced:
             return model_state.load_state_dict(self._original, state_dict, self._state.replaced, strict)
         return self._original.load_state_dict(state_dict, strict=strict, assign=assign)
