@@ -3,16 +3,22 @@ for every row — eager, torch.compile, and pipeline.jit with several executor l
 
     python benchmarks/train_gpu.py                 # the full config (H200: a few minutes)
     python benchmarks/train_gpu.py --layers 2      # a quick look
+    python benchmarks/train_gpu.py --profile       # + GPU time per executor for the pipeline rows
+
+Each row runs in its own process (clean peak memory, no state shared between rows), with a time
+limit (--row-timeout), so one row that compiles too long is reported and the others still run.
 
 Columns: tokens/s over steps 5-20, MFU = (6·params + 12·layers·seq·dim) FLOPs per token against
 790 TFLOP/s (the bf16 matmul rate measured on the H200), first-step (compile) time, peak memory
 (torch.cuda.max_memory_allocated), and the 20-step loss curve's max deviation from eager.
 """
 import argparse
-import gc
+import collections
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -35,19 +41,44 @@ class WithLoss(torch.nn.Module):
         return next_token_loss(self.model(tokens), tokens)
 
 
-def rows(only):
+ROWS = ["eager", "torch.compile", "pipeline.jit [inductor]", "pipeline.jit [nvfuser, inductor]",
+        "pipeline.jit [te, nvfuser, inductor] bf16", "pipeline.jit [te fp8 current, nvfuser, inductor]",
+        "pipeline.jit [te fp8 delayed, nvfuser, inductor]", "pipeline.jit [te fp8 delayed, inductor]"]
+
+
+def executors_of(name):
+    """None for eager, "compile" for torch.compile, else the executor list of a pipeline row."""
+    if name == "eager":
+        return None
+    if name == "torch.compile":
+        return "compile"
     import executors
-    table = [("eager", None), ("torch.compile", "compile"),
-             ("pipeline.jit [inductor]", ["inductor"]),
-             ("pipeline.jit [nvfuser, inductor]", ["nvfuser", "inductor"]),
-             ("pipeline.jit [te, nvfuser, inductor] bf16", ["te", "nvfuser", "inductor"])]
-    fp8 = getattr(getattr(executors, "te", None), "fp8", None)
-    if fp8 is not None:
-        table.append(("pipeline.jit [te fp8, nvfuser, inductor]", [fp8(), "nvfuser", "inductor"]))
-    return [r for r in table if not only or any(o in r[0] for o in only)]
+    listed = name[name.index("[") + 1:name.index("]")].split(", ")
+    out = []
+    for item in listed:
+        if item.startswith("te fp8"):
+            recipe = None
+            if item.endswith("delayed"):
+                from transformer_engine.common.recipe import DelayedScaling
+                recipe = DelayedScaling()
+            out.append(executors.te.fp8(recipe))
+        else:
+            out.append(item)
+    return out
 
 
-def run_row(name, how, config, batches):
+def gpu_time_by_executor(step_fn, tokens):
+    """GPU ms per (stage, executor) for one step, from pipeline.profile, plus the top regions."""
+    table = pipeline.profile(step_fn, tokens)
+    by = collections.Counter()
+    for r in table:
+        by[f"{r.stage}:{r.executor}"] += r.ms
+    top = sorted(table, key=lambda r: -r.ms)[:6]
+    return {"ms_by_stage_executor": {k: round(v, 2) for k, v in by.most_common()},
+            "top_regions": [f"{r.id} {r.stage} {r.executor} {r.ms:.2f}ms x{r.calls}: {r.ops}" for r in top]}
+
+
+def run_row(name, how, config, batches, profile=False):
     torch.manual_seed(0)
     model = WithLoss(Llama(config)).cuda().to(torch.bfloat16)
     if how is None:
@@ -74,10 +105,9 @@ def run_row(name, how, config, batches):
     if how not in (None, "compile"):
         table = pipeline.regions(step_fn)
         extra["ops_by_executor"] = table.by_executor()
-        extra["fp8_gemm_flop_share"] = getattr(table, "fp8_gemm_flop_share", lambda: None)()
-    del model, step_fn, opt
-    gc.collect()
-    torch.cuda.empty_cache()
+        extra["fp8_gemm_flop_share"] = table.fp8_gemm_flop_share()
+        if profile:
+            extra.update(gpu_time_by_executor(step_fn, batches[0]))
     return losses, times, peak, extra
 
 
@@ -88,43 +118,75 @@ def main():
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", nargs="*", default=[], help="substrings of row names to run")
+    parser.add_argument("--profile", action="store_true", help="GPU time per executor (pipeline rows)")
+    parser.add_argument("--row-timeout", type=float, default=300, help="seconds per row, compile included")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--row", default=None, help=argparse.SUPPRESS)       # internal: run one row
+    parser.add_argument("--row-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = LlamaConfig.llama_1b()
     config.layers, config.max_seq = args.layers, args.seq
+    if args.row is not None:
+        return run_one(args, config)
+
     params = Llama(LlamaConfig(**{**config.__dict__, "layers": 0})).num_params() + \
         args.layers * sum(p.numel() for p in Llama(LlamaConfig(**{**config.__dict__, "layers": 1})).layers.parameters())
     flops_per_token = 6 * params + 12 * config.layers * args.seq * config.dim
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, config.vocab, (args.batch, args.seq), generator=g).cuda() for _ in range(args.steps)]
     tokens_per_step = args.batch * args.seq
     print(f"Llama-style {params / 1e9:.2f}B params, {config.layers} layers, batch {args.batch} x seq {args.seq}, "
           f"bf16, fused AdamW, {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    header = f"{'':44} {'tokens/s':>9} {'MFU':>6} {'1st step s':>10} {'peak GiB':>9} {'max |Δloss|':>11}"
-    print(header, flush=True)
+    print(f"{'':50} {'tokens/s':>9} {'MFU':>6} {'1st step s':>10} {'peak GiB':>9} {'max |Δloss|':>11}", flush=True)
     results, eager_losses = [], None
-    for name, how in rows(args.only):
-        try:
-            losses, times, peak, extra = run_row(name, how, config, batches)
-        except Exception as e:  # a row that cannot run says why; the others still run
-            print(f"{name:44} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-            results.append({"row": name, "error": f"{type(e).__name__}: {e}"[:2000]})
-            gc.collect()
-            torch.cuda.empty_cache()
+    for name in [r for r in ROWS if not args.only or any(o in r for o in args.only)]:
+        result = run_in_subprocess(name, args)
+        if "error" in result:
+            print(f"{name:50} failed: {result['error'].splitlines()[0][:300]}", flush=True)
+            results.append(result)
             continue
-        eager_losses = eager_losses or losses
+        losses, times = result["losses"], result["times"]
+        eager_losses = eager_losses or (losses if name == "eager" else None)
         steady = times[4:]
         tps = tokens_per_step * len(steady) / sum(steady)
         mfu = tps * flops_per_token / PEAK_FLOPS
-        dev = max(abs(a - b) for a, b in zip(losses, eager_losses))
-        print(f"{name:44} {tps:9.0f} {mfu:6.1%} {times[0]:10.1f} {peak:9.2f} {dev:11.2e}", flush=True)
-        if extra:
-            print(f"    {extra}", flush=True)
+        dev = max(abs(a - b) for a, b in zip(losses, eager_losses)) if eager_losses else float("nan")
+        print(f"{name:50} {tps:9.0f} {mfu:6.1%} {times[0]:10.1f} {result['peak']:9.2f} {dev:11.2e}", flush=True)
+        for key, value in result["extra"].items():
+            print(f"    {key}: {value}", flush=True)
         results.append({"row": name, "tokens_per_s": tps, "mfu": mfu, "first_step_s": times[0],
-                        "peak_gib": peak, "max_loss_dev": dev, "losses": losses, **extra})
+                        "peak_gib": result["peak"], "max_loss_dev": dev, "losses": losses, **result["extra"]})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def run_in_subprocess(name, args):
+    """One row in a fresh process, within --row-timeout seconds."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--row", name, "--row-json", out.name, "--layers", str(args.layers),
+               "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+        cmd += ["--profile"] if args.profile else []
+        try:
+            proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return {"row": name, "error": f"did not finish within --row-timeout {args.row_timeout:.0f} s"}
+        try:
+            with open(out.name) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
+            return {"row": name, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def run_one(args, config):
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, config.vocab, (args.batch, args.seq), generator=g).cuda() for _ in range(args.steps)]
+    try:
+        losses, times, peak, extra = run_row(args.row, executors_of(args.row), config, batches, args.profile)
+        result = {"row": args.row, "losses": losses, "times": times, "peak": peak, "extra": extra}
+    except Exception as e:  # a row that cannot run says why; the others still run
+        result = {"row": args.row, "error": f"{type(e).__name__}: {e}"[:2000]}
+    with open(args.row_json, "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

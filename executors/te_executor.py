@@ -6,13 +6,17 @@ own autograd: TE's forward GEMM, and TE's own dgrad/wgrad GEMMs in `pipeline_te:
 AOTAutograd keeps both as single ops, and this operator executor claims them.
 
     from executors import te
-    pipeline.jit(model, executors=[te, "nvfuser", "inductor"])          # bf16 GEMMs
-    pipeline.jit(model, executors=[te.fp8(), "nvfuser", "inductor"])    # fp8, current scaling
+    from transformer_engine.common.recipe import DelayedScaling
+    pipeline.jit(model, executors=[te, "nvfuser", "inductor"])                   # bf16 GEMMs
+    pipeline.jit(model, executors=[te.fp8(), "nvfuser", "inductor"])             # fp8, current scaling
+    pipeline.jit(model, executors=[te.fp8(DelayedScaling()), "nvfuser", "inductor"])  # fp8, delayed
 
-fp8 uses current scaling (`Float8CurrentScaling`, HYBRID format: E4M3 activations and weights,
-E5M2 gradients). The forward quantizes x and W once, with their transposes, and saves those fp8
-copies for the backward GEMMs, so each weight is cast once per step. Shapes TE cannot take in fp8
-(any of M, K, N not divisible by 16) stay ordinary linears, with the reason recorded.
+fp8 formats follow the recipe (HYBRID: E4M3 activations and weights, E5M2 gradients). The forward
+quantizes x and W once, with their transposes, and saves those fp8 copies for the backward GEMMs, so
+each weight is cast once per step. Delayed scaling keeps amax histories and scales per linear with the
+jitted model (`te_scaling.py`); they are saved in its state dict under `<module>._extra_state.*`
+keys, which an eager model loading with `strict=False` ignores. Shapes TE cannot take in fp8 (any of
+M, K, N not divisible by 16) stay ordinary linears, with the reason recorded.
 """
 from __future__ import annotations
 
@@ -25,27 +29,36 @@ import torch.fx as fx
 from ir import Trace, node_value
 
 from .base import Executor
+from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, recipe_formats, te_dtype
 
 _LINEARS = {torch._C._nn.linear, torch.nn.functional.linear}
 
 
 # -- the custom ops ----------------------------------------------------------------------------------
 @torch.library.custom_op("pipeline_te::linear", mutates_args=())
-def te_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8: bool) -> list[torch.Tensor]:
-    """[y] in bf16 mode; [y, x^T fp8, x scale_inv, W^T fp8, W scale_inv] in fp8 mode."""
+def te_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8: bool,
+              scaling: int = -1, index: int = -1) -> list[torch.Tensor]:
+    """[y] in bf16 mode; [y, x^T fp8, x scale_inv, W^T fp8, W scale_inv] in fp8 mode.
+
+    `scaling`: -1 for current scaling, else the handle of a `DelayedScalingState`, whose linear
+    `index` this is."""
     from transformer_engine.pytorch.cpp_extensions import general_gemm
     x2 = x.reshape(-1, x.shape[-1])
     shape = (*x.shape[:-1], weight.shape[0])
     if not fp8:
         y = general_gemm(weight, x2, out_dtype=x.dtype, layout="TN", bias=bias)[0]
         return [y.view(shape)]
-    xq, wq = _quantizer("e4m3")(x2.contiguous()), _quantizer("e4m3")(weight.contiguous())
+    if scaling < 0:
+        qx, qw = current_quantizer("e4m3"), current_quantizer("e4m3")
+    else:
+        qx, qw = delayed_state(scaling).forward_quantizers(index, x.device)
+    xq, wq = qx(x2.contiguous()), qw(weight.contiguous())
     y = general_gemm(wq, xq, out_dtype=x.dtype, layout="TN", bias=bias, use_split_accumulator=False)[0]
     return [y.view(shape), xq._transpose, xq._scale_inv, wq._transpose, wq._scale_inv]
 
 
 @te_linear.register_fake
-def _(x, weight, bias, fp8):
+def _(x, weight, bias, fp8, scaling=-1, index=-1):
     y = x.new_empty(*x.shape[:-1], weight.shape[0])
     if not fp8:
         return [y]
@@ -55,7 +68,8 @@ def _(x, weight, bias, fp8):
 
 
 @torch.library.custom_op("pipeline_te::linear_backward", mutates_args=())
-def te_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool, fp8: bool) -> list[torch.Tensor]:
+def te_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool, fp8: bool,
+                       scaling: int = -1, index: int = -1) -> list[torch.Tensor]:
     """[dx, dW] (+ [db]) from dy and what the forward saved."""
     from transformer_engine.pytorch.cpp_extensions import general_gemm
     dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
@@ -70,10 +84,14 @@ def te_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bo
         import transformer_engine_torch as tex
         from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
         x_t, x_si, w_t, w_si = saved
-        e4m3 = _te_dtype("e4m3")
+        if scaling < 0:
+            fwd_format, gq = "e4m3", current_quantizer("e5m2")
+        else:
+            state = delayed_state(scaling)
+            fwd_format, gq = state.forward.fmt, state.backward_quantizer(index, dy.device)
+        e4m3 = te_dtype(fwd_format)
         xq = Float8TensorStorage(data=None, data_transpose=x_t, fp8_scale_inv=x_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
         wq = Float8TensorStorage(data=None, data_transpose=w_t, fp8_scale_inv=w_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
-        gq = _quantizer("e5m2")
         if has_bias:
             db, dyq = tex.bgrad_quantize(dy2, gq)
         else:
@@ -86,7 +104,7 @@ def te_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bo
 
 
 @te_linear_backward.register_fake
-def _(dy, saved, has_bias, fp8):
+def _(dy, saved, has_bias, fp8, scaling=-1, index=-1):
     k = saved[2].shape[0] if fp8 else saved[1].shape[1]
     n = dy.shape[-1]
     out = [dy.new_empty(*dy.shape[:-1], k), dy.new_empty(n, k)]
@@ -94,29 +112,18 @@ def _(dy, saved, has_bias, fp8):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, fp8 = inputs
-    ctx.fp8, ctx.has_bias = fp8, bias is not None
+    x, weight, bias, fp8, scaling, index = inputs
+    ctx.fp8, ctx.has_bias, ctx.scaling, ctx.index = fp8, bias is not None, scaling, index
     ctx.save_for_backward(*(output[1:] if fp8 else (x, weight)))
 
 
 def _backward(ctx, grads):
-    grads = torch.ops.pipeline_te.linear_backward(grads[0], list(ctx.saved_tensors), ctx.has_bias, ctx.fp8)
-    return grads[0], grads[1], (grads[2] if ctx.has_bias else None), None
+    grads = torch.ops.pipeline_te.linear_backward(grads[0], list(ctx.saved_tensors), ctx.has_bias, ctx.fp8,
+                                                  ctx.scaling, ctx.index)
+    return grads[0], grads[1], (grads[2] if ctx.has_bias else None), None, None, None
 
 
 te_linear.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _te_dtype(name: str):
-    import transformer_engine_torch as tex
-    return tex.DType.kFloat8E4M3 if name == "e4m3" else tex.DType.kFloat8E5M2
-
-
-def _quantizer(name: str):
-    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
-    q = Float8CurrentScalingQuantizer(_te_dtype(name), torch.device("cuda"), rowwise=True, columnwise=True)
-    q.internal = True
-    return q
 
 
 # -- the executor ------------------------------------------------------------------------------------
@@ -124,15 +131,61 @@ class TEExecutor(Executor):
     name = "te"
     kind = "operator"
 
-    def __init__(self, fp8: bool = False):
+    def __init__(self, fp8: bool = False, recipe=None):
         self.use_fp8 = fp8
+        self.recipe = recipe
+        self.scaling: DelayedScalingState | None = None  # per jitted model, see for_model
 
     def fp8(self, recipe=None) -> "TEExecutor":
-        """The fp8 variant. `recipe`: None or a `Float8CurrentScaling` (the only recipe supported yet)."""
-        if recipe is not None and type(recipe).__name__ != "Float8CurrentScaling":
-            raise NotImplementedError(f"te.fp8: recipe {type(recipe).__name__} is not supported yet; use "
-                                      f"transformer_engine.common.recipe.Float8CurrentScaling() or None")
-        return TEExecutor(fp8=True)
+        """The fp8 variant. `recipe`: None or `Float8CurrentScaling()` (current scaling), or
+        `DelayedScaling(...)` (amax history; margin, amax_history_len, amax_compute_algo 'max' |
+        'most_recent', fp8_format HYBRID | E4M3), from `transformer_engine.common.recipe`."""
+        kind = type(recipe).__name__
+        if recipe is not None and kind not in ("Float8CurrentScaling", "DelayedScaling"):
+            raise TypeError(f"te.fp8: recipe {kind} is not supported; use transformer_engine.common.recipe."
+                            f"DelayedScaling(...) or Float8CurrentScaling(), or None for current scaling")
+        if recipe is not None:
+            recipe_formats(recipe)  # rejects formats the ops do not implement
+        return TEExecutor(fp8=True, recipe=recipe if kind == "DelayedScaling" else None)
+
+    def for_model(self) -> "TEExecutor":
+        """Delayed scaling keeps state per jitted model: each model gets its own copy."""
+        if self.recipe is None:
+            return self
+        copy = TEExecutor(fp8=True, recipe=self.recipe)
+        copy.scaling = DelayedScalingState(self.recipe)
+        return copy
+
+    def before_call(self) -> None:
+        if self.scaling is not None:
+            self.scaling.update()
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        if self.scaling is None:
+            return {}
+        out = {}
+        for name, tensors in self.scaling.state().items():
+            for suffix, tensor in tensors.items():
+                out[_extra_key(name, suffix)] = tensor
+        return out
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> set[str]:
+        if self.scaling is None:
+            return set()
+        taken, by_name = set(), {}
+        for key, value in state.items():
+            for suffix in ("fp8_scale", "fp8_amax_history"):
+                if "._extra_state." in f".{key}" and key.endswith("_" + suffix):
+                    module, attr = key.rsplit("_extra_state.", 1)
+                    name = module + attr[:-len(suffix) - 1]
+                    by_name.setdefault(name, {})[suffix] = value
+                    taken.add(key)
+        for name, tensors in by_name.items():
+            if len(tensors) != 2:
+                raise ValueError(f"te fp8 state of {name}: the state dict has {sorted(tensors)} but needs both "
+                                 f"fp8_scale and fp8_amax_history")
+            self.scaling.load(name, tensors)
+        return taken
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -166,7 +219,11 @@ class TEExecutor(Executor):
             x, w = node.args[0], node.args[1]
             b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             with gm.graph.inserting_before(node):
-                call = gm.graph.call_function(torch.ops.pipeline_te.linear.default, (x, w, b, self.use_fp8))
+                scaling, index = -1, -1
+                if self.scaling is not None:
+                    scaling, index = self.scaling.handle, self.scaling.register(_linear_name(trace, node))
+                call = gm.graph.call_function(torch.ops.pipeline_te.linear.default,
+                                              (x, w, b, self.use_fp8, scaling, index))
                 first = gm.graph.call_function(operator.getitem, (call, 0))
             y = node_value(node)
             call.meta["val"] = [y]
@@ -195,6 +252,24 @@ class TEExecutor(Executor):
             if bad:
                 return f"fp8 needs M, K, N divisible by 16, got {', '.join(bad)}"
         return None
+
+
+def _linear_name(trace: Trace, node: fx.Node) -> str:
+    """The qualified name of the linear's weight when it is a parameter (its fp8 state's name),
+    else a name unique to this node."""
+    w = node.args[1]
+    placeholders = [n for n in trace.module.graph.nodes if n.op == "placeholder"]
+    if isinstance(w, fx.Node) and w.op == "placeholder" and w in placeholders:
+        spec = trace.inputs[placeholders.index(w)]
+        if getattr(spec, "qualname", None):
+            return spec.qualname
+    return f"{trace.name}.{node.name}"
+
+
+def _extra_key(name: str, suffix: str) -> str:
+    """`layers.0.wq.weight` -> `layers.0.wq._extra_state.weight_fp8_scale` (PyTorch's extra-state key)."""
+    module, _, attr = name.rpartition(".")
+    return f"{module}._extra_state.{attr}_{suffix}" if module else f"_extra_state.{attr}_{suffix}"
 
 
 te_executor = TEExecutor()

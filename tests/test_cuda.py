@@ -176,3 +176,43 @@ def test_quantized_llama_on_cuda_is_close_to_full_precision(kind, tolerance):
         out = cm(tokens)
     assert ((out - reference).norm() / reference.norm()).item() < tolerance
     assert all(p.device.type == "cuda" for p in cm.parameters())
+
+
+def test_te_fp8_delayed_scaling_trains_and_keeps_its_state_in_the_state_dict():
+    _require("te")
+    import executors
+    from transformer_engine.common.recipe import DelayedScaling
+    recipe = DelayedScaling(amax_history_len=16)
+    model, eager = llama_pair(torch.bfloat16)
+    cm = pipeline.jit(model, executors=[executors.te.fp8(recipe), "inductor"])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, eager)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(4):
+        tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda", generator=g)
+        loss, ref = step(cm, tokens), step(eager, tokens)
+        assert abs(loss.item() - ref.item()) < 0.05 * ref.item()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert pipeline.regions(cm).fp8_gemm_flop_share() == 1.0
+
+    sd = cm.state_dict()
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    fp8_keys = {k for k in sd if "._extra_state." in k}
+    assert fp8_keys == {f"{n}._extra_state.weight_{s}" for n in linears for s in ("fp8_scale", "fp8_amax_history")}
+    for n in linears:
+        scale, history = sd[f"{n}._extra_state.weight_fp8_scale"], sd[f"{n}._extra_state.weight_fp8_amax_history"]
+        assert scale.shape == (3,) and history.shape == (16, 3)
+        assert (scale != 1).all() and (history.amax(0) > 0).all(), n   # x, W and dy scales all learned
+
+    fresh = Llama(CONFIG).cuda().to(torch.bfloat16)  # an eager model ignores them with strict=False
+    missing, unexpected = fresh.load_state_dict(sd, strict=False)
+    assert not missing and set(unexpected) == fp8_keys
+
+    again = pipeline.jit(fresh, executors=[executors.te.fp8(recipe), "inductor"])
+    again.load_state_dict(sd)
+    again(tokens)  # compiles; the loaded scales are used from the first call on
+    restored = again.state_dict()
+    for k in fp8_keys:
+        if k.endswith("fp8_scale"):
+            assert torch.equal(restored[k], sd[k]), k

@@ -1,0 +1,156 @@
+"""fp8 scaling for the `te` executor: current scaling (stateless) and delayed scaling (state kept with
+the jitted model).
+
+Each TE linear has three fp8 tensors: x and W in the forward, dy in the backward. Current scaling
+measures each tensor's amax right before casting it. Delayed scaling (TE's `DelayedScaling` recipe)
+casts with a scale derived from a history of amaxes of earlier steps, and the cast itself records
+the new amax — one kernel instead of two. The history and scales live here, one `DelayedScaling`
+state per jitted model, stacked per direction so that one fused TE kernel updates them all at the
+start of each call of the model. The custom ops reach the state through an integer handle, so the
+graph stays a pure function of its inputs as far as the compiler can see.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+_STATES: "weakref.WeakValueDictionary[int, DelayedScalingState]" = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+def te_dtype(name: str):
+    import transformer_engine_torch as tex
+    return tex.DType.kFloat8E4M3 if name == "e4m3" else tex.DType.kFloat8E5M2
+
+
+def current_quantizer(name: str):
+    """A quantizer that measures the amax of what it casts (current scaling)."""
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+    q = Float8CurrentScalingQuantizer(te_dtype(name), torch.device("cuda"), rowwise=True, columnwise=True)
+    q.internal = True
+    return q
+
+
+def recipe_formats(recipe) -> tuple[str, str]:
+    """(forward, backward) fp8 format of a TE recipe: HYBRID is E4M3 forward, E5M2 backward."""
+    fmt = getattr(getattr(recipe, "fp8_format", None), "name", "HYBRID")
+    if fmt == "HYBRID":
+        return "e4m3", "e5m2"
+    if fmt == "E4M3":
+        return "e4m3", "e4m3"
+    raise NotImplementedError(f"te.fp8: fp8_format {fmt} is not supported; use Format.HYBRID or Format.E4M3")
+
+
+class _Stack:
+    """amax history [L, n] and scales [n] of n tensors of one direction, grown as linears register."""
+
+    def __init__(self, per_linear: int, fmt: str):
+        self.per_linear, self.fmt = per_linear, fmt
+        self.history: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+
+    def ensure(self, n_linears: int, history_len: int, device) -> None:
+        n = n_linears * self.per_linear
+        if self.scale is not None and self.scale.numel() >= n:
+            return
+        history = torch.zeros(history_len, n, dtype=torch.float32, device=device)
+        scale = torch.ones(n, dtype=torch.float32, device=device)
+        if self.scale is not None:  # keep what earlier graphs' linears learned
+            old = self.scale.numel()
+            history[:, :old] = self.history
+            scale[:old] = self.scale
+        self.history, self.scale = history, scale
+
+    def quantizer(self, column: int):
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+        q = Float8Quantizer(self.scale[column], self.history[0][column].reshape(1), te_dtype(self.fmt),
+                            rowwise=True, columnwise=True)
+        q.internal = True
+        return q
+
+
+class DelayedScalingState:
+    """Delayed-scaling state of one jitted model's TE linears (see the module docstring)."""
+
+    def __init__(self, recipe):
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            raise NotImplementedError("te.fp8(DelayedScaling): custom amax_compute_algo / "
+                                      "scaling_factor_compute_algo callables are not supported; use "
+                                      "amax_compute_algo='max' or 'most_recent'")
+        self.recipe = recipe
+        fwd, bwd = recipe_formats(recipe)
+        self.forward, self.backward = _Stack(2, fwd), _Stack(1, bwd)  # columns: [x, W] / [dy] per linear
+        self.names: dict[str, int] = {}            # linear name (its weight's qualname) -> index
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded before the linear was compiled
+        self.handle = next(_ids)
+        _STATES[self.handle] = self
+
+    def register(self, name: str) -> int:
+        """The index of the linear named `name` (a weight used by several linears shares its state)."""
+        return self.names.setdefault(name, len(self.names))
+
+    def _ensure(self, device) -> None:
+        n, length = len(self.names), self.recipe.amax_history_len
+        if self.forward.scale is None or self.forward.scale.numel() < 2 * n:
+            self.forward.ensure(n, length, device)
+            self.backward.ensure(n, length, device)
+            for name, tensors in list(self.pending.items()):
+                if name in self.names:
+                    self._load(name, tensors)
+                    del self.pending[name]
+
+    def forward_quantizers(self, index: int, device):
+        self._ensure(device)
+        return self.forward.quantizer(2 * index), self.forward.quantizer(2 * index + 1)
+
+    def backward_quantizer(self, index: int, device):
+        self._ensure(device)
+        return self.backward.quantizer(index)
+
+    def update(self) -> None:
+        """New scales from the amaxes recorded since the last update; clears the newest history row."""
+        import transformer_engine_torch as tex
+        for stack in (self.forward, self.backward):
+            if stack.history is None:
+                continue
+            tex.fused_amax_and_scale_update_after_reduction(
+                stack.history[0].clone(), [stack.history], [stack.scale], self.recipe.amax_compute_algo,
+                te_dtype(stack.fmt), self.recipe.margin)
+
+    # -- state dict: `<module>._extra_state.<attr>_fp8_scale` [x, W, dy] and `..._fp8_amax_history` [L, 3]
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        if self.forward.scale is None:
+            return dict(self.pending)
+        out = dict(self.pending)
+        for name, i in self.names.items():
+            if 2 * i + 2 > self.forward.scale.numel():  # registered, not run yet
+                continue
+            out[name] = {
+                "fp8_scale": torch.cat([self.forward.scale[2 * i:2 * i + 2], self.backward.scale[i:i + 1]]).clone(),
+                "fp8_amax_history": torch.cat([self.forward.history[:, 2 * i:2 * i + 2],
+                                               self.backward.history[:, i:i + 1]], dim=1).clone()}
+        return out
+
+    def load(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        if self.forward.scale is not None and name in self.names:
+            self._load(name, tensors)
+        else:
+            self.pending[name] = tensors
+
+    def _load(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        i = self.names[name]
+        scale, history = tensors["fp8_scale"], tensors["fp8_amax_history"]
+        if tuple(history.shape) != (self.recipe.amax_history_len, 3) or scale.numel() != 3:
+            raise ValueError(f"te fp8 state of {name}: amax history {tuple(history.shape)} and scales "
+                             f"{tuple(scale.shape)} do not fit this recipe (amax_history_len="
+                             f"{self.recipe.amax_history_len}, expected ({self.recipe.amax_history_len}, 3) and (3,))")
+        self.forward.scale[2 * i:2 * i + 2].copy_(scale[:2])
+        self.backward.scale[i:i + 1].copy_(scale[2:])
+        self.forward.history[:, 2 * i:2 * i + 2].copy_(history[:, :2])
+        self.backward.history[:, i:i + 1].copy_(history[:, 2:])
+
+
+def delayed_state(handle: int) -> DelayedScalingState:
+    return _STATES[handle]
