@@ -9,6 +9,9 @@
 #   scripts/gpu.sh bench [..]  on the GPU machine: benchmarks/train_gpu.py (arguments passed on).
 #
 # With this workplace's device tool: run(command="scripts/gpu.sh tests", carry=[".device", ".whl"]).
+# To run exactly the committed tree while the working tree has edits in flight, snapshot it first:
+#   rm -rf .gpu && mkdir .gpu && git archive HEAD | tar -x -C .gpu     (.gpu/ in .git/info/exclude)
+#   run(command="cd .gpu && ln -s ../.device ../.whl . && scripts/gpu.sh tests", carry=[".gpu", ".device", ".whl"])
 # Results also land in $OUT (when set): tests.log, bench.log, bench.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +36,10 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 
 case "$what" in
-  tests) python3 -m pytest -q --timeout 600 -p no:cacheprovider "$@" tests/ 2>&1 | tee "$OUT/tests.log" ;;
+  tests)  # the whole suite, or the test files / folders given
+    paths=(); for a in "$@"; do [[ "$a" == tests* ]] && paths+=("$a"); done
+    [ ${#paths[@]} -eq 0 ] && set -- "$@" tests/
+    python3 -m pytest -q --timeout 600 -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" ;;
   bench) python3 benchmarks/train_gpu.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" ;;
   *) echo "usage: scripts/gpu.sh pack|tests|bench [args]"; exit 2 ;;
 esac
