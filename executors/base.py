@@ -68,6 +68,26 @@ class Executor:
         """
         raise NotImplementedError
 
+    # -- the compiled-artifact cache -------------------------------------------------------------
+    def cache_token(self) -> str:
+        """What, besides a region's graph, its compiled code depends on (options, library versions).
+        Part of every cache key; override when an executor has options."""
+        return f"{type(self).__module__}.{type(self).__qualname__}"
+
+    def artifact_unsupported_reason(self, gm: fx.GraphModule, example_inputs: Sequence) -> str | None:
+        """None when `save_region`/`load_region` can store and rebuild this region; otherwise why
+        not. The default opts out: an executor caches only when it implements both."""
+        return f"executor {self.name!r} has no serializable artifact (it does not implement save_region/load_region)"
+
+    def save_region(self, fn: RegionFn) -> bytes:
+        """The bytes `load_region` rebuilds the compiled region `fn` from (in another process)."""
+        raise NotImplementedError
+
+    def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence) -> RegionFn:
+        """The compiled region from `save_region`'s bytes; `gm` and `example_inputs` as in
+        `compile_region`. Raise when the bytes do not fit: the region is compiled instead."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<executor {self.name} ({self.kind})>"
 

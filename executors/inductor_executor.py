@@ -7,8 +7,13 @@ It claims the ops Inductor has a lowering or a decomposition for.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import os
+import pickle
 import shutil
+import sys
+import types
 from typing import Sequence
 
 import torch
@@ -56,14 +61,100 @@ class InductorExecutor(Executor):
         # with the strides the trace promises.
         with config.patch(fallback_random=self.fallback_random, layout_optimization=False):
             compiled = compile_fx_inner(decomposed, list(example_inputs))
-        restride = _mismatched_strides(gm, _static_strides(getattr(compiled, "output_strides", None)))
+        return InductorRegion(compiled, gm)
 
-        def run(*args):
-            outs = list(compiled(list(args)))
-            for i, stride in restride:
-                outs[i] = restrided(outs[i], stride)
-            return tuple(outs)
-        return run
+    # -- the compiled-artifact cache -------------------------------------------------------------
+    def cache_token(self) -> str:
+        from torch._inductor import config
+        return f"inductor fallback_random={self.fallback_random} config={config.get_hash().hex()}"
+
+    def artifact_unsupported_reason(self, gm, example_inputs) -> str | None:
+        if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not _is_static(v))
+               for v in example_inputs):
+            # Inductor may add shape guards while compiling; a stored kernel would not re-add them.
+            return "inductor region with symbolic shapes"
+        return None
+
+    def save_region(self, fn: "InductorRegion") -> bytes:
+        """Inductor's compiled graph as its own FX graph cache stores it, plus the shared libraries
+        of its C++ kernels: Inductor finds a kernel by the hash of its source under its cache dir,
+        so restoring the library at the same relative path makes loading skip the C++ compile."""
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        stored = copy.copy(fn.compiled)
+        stored.prepare_for_serialization()
+        root = cache_dir()
+        files = {os.path.relpath(p, root): _read(p) for p in _kernel_libraries(fn.compiled)
+                 if os.path.abspath(p).startswith(root + os.sep)}
+        return pickle.dumps({"graph": pickle.dumps(stored), "files": files})
+
+    def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
+        from torch._inductor.codecache import write_atomic
+        from torch._inductor.output_code import CompiledFxGraphConstants
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        from torch._inductor.utils import BoxedBool
+
+        stored = pickle.loads(data)
+        root = cache_dir()
+        for rel, content in stored["files"].items():
+            path = os.path.join(root, rel)
+            if not os.path.exists(path):
+                write_atomic(path, content, make_dirs=True)
+        compiled = pickle.loads(stored["graph"])
+        constants = CompiledFxGraphConstants()
+        compiled.after_deserialization(constants)   # imports the wrapper module, loads the kernels
+        compiled.post_compile(list(example_inputs), constants,
+                              {"cudagraphs": BoxedBool(False), "is_backward": False, "is_inference": False})
+        return InductorRegion(compiled, gm)
+
+
+class InductorRegion:
+    """A compiled region: Inductor's `CompiledFxGraph`, with outputs copied into the strides the
+    region's trace promised where Inductor chose other ones."""
+
+    def __init__(self, compiled, gm: fx.GraphModule):
+        self.compiled = compiled
+        self.restride = _mismatched_strides(gm, _static_strides(getattr(compiled, "output_strides", None)))
+
+    def __call__(self, *args):
+        outs = list(self.compiled(list(args)))
+        for i, stride in self.restride:
+            outs[i] = restrided(outs[i], stride)
+        return tuple(outs)
+
+
+def _is_static(t: torch.Tensor) -> bool:
+    return all(isinstance(s, int) for s in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+def _kernel_libraries(compiled) -> set[str]:
+    """Paths of the shared libraries the compiled graph's C++ kernels were loaded from, and of
+    Inductor's vector-ISA probe (built once per cache dir)."""
+    module = sys.modules.get(getattr(compiled.current_callable, "__module__", None) or "")
+    paths = set()
+    for value in vars(module).values() if module is not None else ():
+        owner = getattr(value, "__self__", None)
+        if isinstance(owner, types.ModuleType) and str(getattr(owner, "__file__", "")).endswith(".so"):
+            paths.add(owner.__file__)
+    return paths | _isa_probe_libraries()
+
+
+def _isa_probe_libraries() -> set[str]:
+    try:
+        from torch._inductor.codecache import get_hash, get_path
+        from torch._inductor.cpu_vec_isa import _get_isa_dry_compile_fingerprint, pick_vec_isa
+        isa = pick_vec_isa()
+        if not isa:
+            return set()
+        key = get_hash(isa._avx_code.strip(), _get_isa_dry_compile_fingerprint(isa.build_arch_flags()), "code")
+        so = get_path(key, "so")[2]
+        return {so} if os.path.exists(so) else set()
+    except Exception:  # internal helpers differ between torch versions: then the probe is rebuilt
+        return set()
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _static_strides(strides):

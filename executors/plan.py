@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import operator
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -51,32 +52,122 @@ class CompiledRegion(torch.nn.Module):
 
 
 @dataclasses.dataclass
+class RegionArtifact:
+    """What the compiled-artifact cache keeps of one compiled region: which executor compiled it
+    (after any fallbacks, and why), and that executor's bytes to rebuild it (`Executor.load_region`)."""
+    executor: str
+    data: bytes
+    fallback_reason: Optional[str] = None
+
+
+@dataclasses.dataclass
 class Execution:
     trace: Trace
     regions: list[Region]
     assignment: Assignment
+    loaded: set[int] = dataclasses.field(default_factory=set)  # ids of regions rebuilt from `artifacts`
+    uncached: list[str] = dataclasses.field(default_factory=list)  # why a region was not stored
 
 
 def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_id: str = "",
-             fallback: Executor = torch_executor, first_region_id: int = 0) -> Execution:
-    """Assigns, partitions and compiles `trace`; see the module docstring."""
+             fallback: Executor = torch_executor, first_region_id: int = 0,
+             artifacts: Optional[dict[str, RegionArtifact]] = None) -> Execution:
+    """Assigns, partitions and compiles `trace`; see the module docstring.
+
+    `artifacts` (region key -> `RegionArtifact`), when given, is the compiled-artifact cache: a
+    region found there is rebuilt by its executor instead of compiled; a region compiled now is
+    added to it when its executor can store it."""
     start = time.perf_counter()
     gm = trace.editable()
     assignment = assign(gm, executors, fallback)
     order = list(executors) + ([fallback] if all(e.name != fallback.name for e in executors) else [])
     named = partition(gm, order)
     by_name = {e.name: e for e in order}
-    regions = []
+    regions, loaded, uncached = [], set(), []
     for k, (sub_name, ex_name) in enumerate(named):
         source = gm.get_submodule(sub_name)
         region = _describe(source, first_region_id + k, stage, ex_name, graph_id)
-        fn = _compile_with_fallback(source, region, by_name[ex_name], order, fallback)
+        fn = None
+        key = _try_region_key(source, order, region, uncached) if artifacts is not None else None
+        if key is not None:
+            fn = _load_cached(artifacts.get(key), source, region, by_name, uncached)
+            if fn is not None:
+                loaded.add(region.id)
+        if fn is None:
+            fn = _compile_with_fallback(source, region, by_name[ex_name], order, fallback)
+            if key is not None:
+                _store(artifacts, key, fn, source, region, by_name[region.executor], uncached)
         gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
         regions.append(region)
     _set_region_values(gm)
     gm.recompile()
     out = trace.derive(gm, by="dispatch", seconds=time.perf_counter() - start, name=trace.name)
-    return Execution(out, regions, assignment)
+    return Execution(out, regions, assignment, loaded, uncached)
+
+
+def region_key(source: fx.GraphModule, order: Sequence[Executor]) -> str:
+    """A hash of what a region's compiled code depends on: its graph, the metadata of its inputs,
+    outputs and constants, and the executors that could compile it (with their options)."""
+    parts = [source.code, *(e.cache_token() for e in order)]
+    for node in source.graph.nodes:
+        if node.op == "placeholder":
+            parts.append(_value_signature(node_value(node)))
+        elif node.op == "get_attr":
+            value = getattr(source, node.target)
+            parts.append(_value_signature(value))
+            if isinstance(value, torch.Tensor):
+                parts.append(hashlib.sha256(value.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                                            .numpy().tobytes()).hexdigest())
+        elif node.op == "output":
+            parts += [_value_signature(node_value(a)) if isinstance(a, fx.Node) else repr(a)
+                      for a in node.args[0]]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _try_region_key(source, order, region: Region, notes) -> Optional[str]:
+    try:
+        return region_key(source, order)
+    except Exception as e:  # e.g. a constant without data: the region is compiled, not cached
+        notes.append(f"region {region.id} not cached: no key ({type(e).__name__}: {e})")
+        return None
+
+
+def _value_signature(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return (f"{v.dtype} {v.device} {tuple(v.shape)} {tuple(v.stride())} {v.storage_offset()} "
+                f"{v.requires_grad} {v.layout}")
+    return f"{type(v).__name__} {v}"
+
+
+def _load_cached(artifact: Optional[RegionArtifact], source, region: Region, by_name, notes) -> Optional[Callable]:
+    """The region rebuilt from its cached artifact, or None (not cached, or it would not load)."""
+    if artifact is None or artifact.executor not in by_name:
+        return None
+    example_inputs = [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
+    start = time.perf_counter()
+    try:
+        with _isolated(example_inputs):
+            fn = by_name[artifact.executor].load_region(artifact.data, source, example_inputs)
+    except Exception as e:  # a stale or foreign artifact: compile the region instead
+        notes.append(f"region {region.id}: cached {artifact.executor} artifact did not load "
+                     f"({type(e).__name__}: {str(e).strip()[:200]}); compiled")
+        return None
+    region.compile_seconds = time.perf_counter() - start
+    region.executor = artifact.executor
+    region.fallback_reason = artifact.fallback_reason
+    return fn
+
+
+def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, notes) -> None:
+    example_inputs = [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
+    reason = ex.artifact_unsupported_reason(source, example_inputs)
+    if reason is None:
+        try:
+            artifacts[key] = RegionArtifact(ex.name, ex.save_region(fn), region.fallback_reason)
+            return
+        except Exception as e:  # not storable: the region still runs, it is compiled next time
+            reason = f"{ex.name} could not save it: {type(e).__name__}: {str(e).strip()[:200]}"
+    notes.append(f"region {region.id} not cached: {reason}")
 
 
 def _compile_with_fallback(source, region, first: Executor, order, fallback) -> Callable:
@@ -101,12 +192,16 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback) -> 
 
 
 def _compile_isolated(ex: Executor, source: fx.GraphModule, example_inputs):
-    """Compiles under a fresh tracing context, so an executor's compile cannot disturb the
+    with _isolated(example_inputs):
+        return ex.compile_region(source, example_inputs)
+
+
+def _isolated(example_inputs):
+    """A fresh tracing context, so an executor's compile (or load) cannot disturb the
     AOTAutograd compilation this region is part of."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
     fake_mode = detect_fake_mode(example_inputs)
-    with tracing(TracingContext(fake_mode)) if fake_mode is not None else contextlib.nullcontext():
-        return ex.compile_region(source, example_inputs)
+    return tracing(TracingContext(fake_mode)) if fake_mode is not None else contextlib.nullcontext()
 
 
 def _claims_all(ex: Executor, gm: fx.GraphModule) -> bool:

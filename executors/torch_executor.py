@@ -21,5 +21,15 @@ class TorchExecutor(Executor):
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
         return gm.forward
 
+    # Nothing compiled, nothing to store: a cached region is rebuilt from its graph.
+    def artifact_unsupported_reason(self, gm, example_inputs):
+        return None
+
+    def save_region(self, fn) -> bytes:
+        return b""
+
+    def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
+        return gm.forward
+
 
 torch_executor = TorchExecutor()

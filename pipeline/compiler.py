@@ -22,9 +22,9 @@ from executors import dispatch
 from ir import OutputSpec, Step, Trace
 from transforms import TracePass
 
-from .boxed import boxed
-from .model_state import rewrite
+from .cache import GraphCache
 from .record import GraphRecord
+from .runtime_wrappers import BoxedStage, graph_wrappers, post_compile_all, pre_compile_all, wrapper_metadata
 from .specs import captured_input_specs, lowered_input_specs, lowered_output_specs
 
 
@@ -74,17 +74,16 @@ class PipelineBackend:
         outputs = [OutputSpec("user_output")] * _num_outputs(gm)
         captured = record.add_trace(Trace(gm, name=f"{record.graph_id}_captured", level=self.level,
                                           inputs=specs, outputs=outputs, provenance=(Step(self.capture),)))
-        trace, remap = captured, None
-        if state.replaced:  # model-changing transforms (stage 2): feed the compiled code their tensors
-            trace, example_inputs, remap = rewrite(captured, list(example_inputs), state.replaced)
-            record.add_trace(trace)
+        cache = GraphCache.open(gm, example_inputs, state, record)
+        wrappers = graph_wrappers(state)  # e.g. model-changing transforms (stage 2) feed their tensors
+        trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
         for executor in state.executors:  # model-level swaps (stage 2), e.g. TE's linears
             prepared, notes = executor.prepare(trace)
             record.fallbacks += notes
             if prepared is not trace:
                 trace = record.add_trace(prepared)
         trace = self._run_passes("before_autodiff", trace, record)
-        stage = functools.partial(self._lower_stage, record=record, captured=trace)
+        stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache)
         start = time.perf_counter()
         inner_before = sum(record.seconds.values())
         compiled = aot_module_simplified(
@@ -97,9 +96,9 @@ class PipelineBackend:
         )
         inner = sum(record.seconds.values()) - inner_before
         record.seconds["lower"] += time.perf_counter() - start - inner
-        if remap is not None:
-            return lambda *args: compiled(*remap(args))
-        return compiled
+        if cache is not None:
+            cache.wrappers_done(wrapper_metadata(wrappers))
+        return post_compile_all(wrappers, compiled)
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
         """AOTAutograd's partition hook: joint passes run here, then the min-cut partitioner."""
@@ -115,7 +114,7 @@ class PipelineBackend:
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def _lower_stage(self, stage: str, gm: fx.GraphModule, example_inputs, *, record: GraphRecord,
-                     captured: Trace):
+                     captured: Trace, cache: GraphCache | None):
         """AOTAutograd's compiler hook for the forward, backward or inference graph."""
         ctx = TracingContext.try_get()
         meta = getattr(ctx, "fw_metadata", None) if ctx else None
@@ -123,19 +122,25 @@ class PipelineBackend:
                       inputs=lowered_input_specs(gm, captured.inputs, stage),
                       outputs=lowered_output_specs(gm, captured.inputs, stage, meta),
                       provenance=captured.provenance + (Step(f"lower ({stage})"),))
-        trace = self._run_passes("after_autodiff", record.add_trace(trace), record)
+        record.add_trace(trace)
+        lowered = trace.fingerprint() if cache is not None else ""
+        trace = self._run_passes("after_autodiff", trace, record)
         start = time.perf_counter()
         execution = dispatch(trace, self.state.executors, stage=stage, graph_id=record.graph_id,
-                             first_region_id=sum(len(r.regions) for r in self.state.records))
+                             first_region_id=sum(len(r.regions) for r in self.state.records),
+                             artifacts=cache.artifacts if cache is not None else None)
         record.seconds["dispatch"] += time.perf_counter() - start
         for region in execution.regions:
             record.seconds["dispatch"] -= region.compile_seconds
-            record.seconds[f"compile:{region.executor}"] += region.compile_seconds
+            where = "cache load" if region.id in execution.loaded else f"compile:{region.executor}"
+            record.seconds[where] += region.compile_seconds
         record.regions += execution.regions
         record.fallbacks += execution.assignment.fallbacks
         record.decomposed += execution.assignment.decomposed
         executed = record.add_trace(execution.trace)
-        return boxed(executed.module)
+        if cache is not None:
+            cache.stage_done(stage, lowered, execution, executed)
+        return BoxedStage().post_compile(executed.module)
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:
         for p in self.state.passes:

@@ -47,10 +47,11 @@ class CompileState:
     call_hooks: list = dataclasses.field(default_factory=list)  # executors' before_call
     first_shapes: Optional[tuple] = None     # input shapes of the first call (automatic dynamic)
     generalized: bool = False                # whether a shape change already made inputs dynamic
+    cache: bool = True                       # use the compiled-artifact cache (pipeline/cache.py)
 
 
 def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transforms: Sequence = (),
-        fullgraph: bool = False, dynamic: Optional[bool] = None):
+        fullgraph: bool = False, dynamic: Optional[bool] = None, cache: bool = True):
     """Compiles `model_or_fn` (an `nn.Module` or a function).
 
     executors: executor objects from `executors` or their names, by priority; ops nobody claims run
@@ -60,6 +61,8 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         module now.
     fullgraph: raise `GraphBreakError` instead of splitting the graph at a graph break.
     dynamic: as in `torch.compile` (None: Dynamo's automatic dynamic shapes).
+    cache: look up and store compiled artifacts on disk (`PIPELINE_CACHE_DIR`; `PIPELINE_CACHE=0`
+        turns it off everywhere).
     """
     if not callable(model_or_fn):
         raise TypeError(f"pipeline.jit needs an nn.Module or a function, got {type(model_or_fn).__name__}")
@@ -69,12 +72,14 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"fullgraph must be True or False, got {fullgraph!r}")
     if dynamic not in (None, True, False):
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
+    if not isinstance(cache, bool):
+        raise TypeError(f"cache must be True or False, got {cache!r}")
     if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
     resolved = [e.for_model() for e in resolve(executors)]
     passes, replaced = _apply_transforms(model_or_fn, list(transforms))
     state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
-                         fullgraph=fullgraph, replaced=replaced, dynamic=dynamic)
+                         fullgraph=fullgraph, replaced=replaced, dynamic=dynamic, cache=cache)
     state.call_hooks = [e.before_call for e in resolved if type(e).before_call is not Executor.before_call]
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)

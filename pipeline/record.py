@@ -24,6 +24,8 @@ class GraphRecord:
     decomposed: list[str] = dataclasses.field(default_factory=list)
     eager_fallback: Optional[str] = None  # why the whole graph runs in eager, if it does
     recompile_reason: Optional[str] = None  # the guard that failed, when this graph is a recompilation
+    cache: str = ""                  # compiled-artifact cache: "hit", "miss" or "off: <why>"
+    cache_notes: list[str] = dataclasses.field(default_factory=list)  # regions not cached, and why
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
 
     def add_trace(self, trace: Trace) -> Trace:

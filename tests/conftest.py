@@ -14,6 +14,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def private_pipeline_cache(tmp_path, monkeypatch):
+    """The compiled-artifact cache of each test is its own empty folder, never the user's home."""
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "pipeline_cache"))
+    monkeypatch.delenv("PIPELINE_CACHE", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Each test compiles from scratch: Dynamo's caches are keyed on code objects that tests share."""
     torch._dynamo.reset()

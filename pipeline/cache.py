@@ -1,0 +1,259 @@
+"""The on-disk cache of compiled artifacts, one entry per captured graph.
+
+Key: a hash of the captured graph (its code and input metadata), the trace passes (each pass's
+qualified name and a hash of its source and closure), the model-changing transforms, the executors
+(names and `cache_token`s) and the torch and Python versions. A pass that sets `cacheable = False`
+(see `uncached`), or whose source cannot be read, turns the cache off for the graph, with the reason.
+
+Entry: per stage the execution trace (printed) and its regions, the runtime wrappers' metadata, and
+each region's executor artifact keyed by the region's own hash (`executors.plan.region_key`). On a
+hit the pipeline still captures, runs the passes, lowers and partitions (cheap), but rebuilds each
+region from its artifact instead of compiling it.
+
+Files live under `PIPELINE_CACHE_DIR` (default `~/.cache/fxpipeline`); `PIPELINE_CACHE=0` or
+`jit(..., cache=False)` turns the cache off. A write goes to a temporary file in the same folder,
+then `os.replace`, so concurrent processes never see half an entry. Each entry carries a SHA-256 of
+its payload: a corrupt or truncated entry is reported with one warning and the graph recompiled.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import pickle
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from executors.plan import RegionArtifact
+
+FORMAT = 1
+MAGIC = b"fxpipeline-cache 1\n"
+
+
+class Uncacheable(Exception):
+    """This graph cannot be cached; the message says why."""
+
+
+def uncached(pass_or_fn):
+    """Marks a trace pass (or the function it wraps) as not cacheable: graphs it runs on are always
+    compiled. `@trace_pass` then `@uncached`, or `uncached(my_pass)`."""
+    object.__setattr__(pass_or_fn, "cacheable", False)
+    return pass_or_fn
+
+
+def cache_root() -> str:
+    """`PIPELINE_CACHE_DIR`, or `fxpipeline` under the user's cache dir (`$XDG_CACHE_HOME`, ~/.cache)."""
+    if os.environ.get("PIPELINE_CACHE_DIR"):
+        return os.environ["PIPELINE_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fxpipeline")
+
+
+def disabled_reason(option: bool) -> Optional[str]:
+    if not option:
+        return "jit(..., cache=False)"
+    if os.environ.get("PIPELINE_CACHE", "1").lower() in ("0", "false", "off", "no"):
+        return "PIPELINE_CACHE=0"
+    return None
+
+
+# -- the key --------------------------------------------------------------------------------------
+def graph_key(gm, example_inputs, state) -> str:
+    """The hash naming a captured graph's entry; raises `Uncacheable`."""
+    parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}", gm.code]
+    parts += [value_signature(v) for v in example_inputs]
+    parts += [f"owner {state.owners.get(id(v))}" for v in example_inputs]
+    parts += [pass_identity(p) for p in state.passes]
+    parts += [f"executor {e.name} {e.cache_token()}" for e in state.executors]
+    for qualname, r in sorted(state.replaced.items()):
+        parts.append(f"replaced {qualname} {stable_repr(r.transform)} "
+                     f"{[(s, value_signature(t)) for s, t in r.tensors.items()]}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def value_signature(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return (f"{v.dtype} {v.device} {tuple(v.shape)} {tuple(v.stride())} {v.storage_offset()} "
+                f"grad={v.requires_grad} {v.layout} {type(v).__name__}")
+    return f"{type(v).__name__} {v}"
+
+
+def pass_identity(p) -> str:
+    """A pass's qualified name, where it runs, and a hash of its source and closure."""
+    if getattr(p, "cacheable", True) is False or getattr(p.fn, "cacheable", True) is False:
+        raise Uncacheable(f"pass {p.name!r} opts out of caching")
+    return f"pass {p.name} {p.runs_on} {function_identity(p.fn, p.name)}"
+
+
+def function_identity(fn, name: str, depth: int = 0) -> str:
+    target = getattr(fn, "__func__", fn)
+    if not inspect.isfunction(target):  # a callable object: its class's __call__ and its fields
+        call = getattr(type(fn), "__call__", None)
+        if not inspect.isfunction(call):
+            raise Uncacheable(f"pass {name!r}: cannot read the source of {fn!r}")
+        return f"{function_identity(call, name, depth + 1)} {stable_repr(vars(fn), name, depth + 1)}"
+    try:
+        source = inspect.getsource(target)
+    except (OSError, TypeError) as e:
+        raise Uncacheable(f"pass {name!r}: its source cannot be read ({e})") from None
+    cells = [c.cell_contents for c in (target.__closure__ or ()) if _cell_filled(c)]
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    return (f"{target.__module__}.{target.__qualname__} {digest} "
+            f"{stable_repr(cells, name, depth + 1)} {stable_repr(target.__defaults__, name, depth + 1)}")
+
+
+def stable_repr(value, name: str = "?", depth: int = 0) -> str:
+    """A text standing for `value` that is the same in every process; raises `Uncacheable` for
+    values that have none (objects whose repr is their address)."""
+    if depth > 6:
+        raise Uncacheable(f"pass {name!r}: its closure is nested too deep to hash")
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return f"{type(value).__name__}({', '.join(stable_repr(v, name, depth + 1) for v in items)})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {stable_repr(v, name, depth + 1)}" for k, v in sorted(value.items(), key=repr)) + "}"
+    if isinstance(value, torch.Tensor):
+        return value_signature(value) + " " + _tensor_digest(value)
+    if inspect.isfunction(value) or inspect.ismethod(value):
+        return function_identity(value, name, depth + 1)
+    if hasattr(value, "fn") and hasattr(value, "runs_on"):  # a TracePass
+        return pass_identity(value)
+    if inspect.ismodule(value) or inspect.isclass(value) or callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value.__name__)}"
+    if hasattr(value, "__dict__"):
+        return f"{type(value).__qualname__}({stable_repr(vars(value), name, depth + 1)})"
+    text = repr(value)
+    if " at 0x" in text:
+        raise Uncacheable(f"pass {name!r}: {type(value).__name__} in its closure has no stable identity")
+    return text
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    if t.device.type == "meta" or t.numel() > 1 << 16:
+        return "(values not hashed)"
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _cell_filled(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:
+        return False
+
+
+# -- entries on disk ------------------------------------------------------------------------------
+def entry_path(key: str) -> str:
+    return os.path.join(cache_root(), key[:2], f"{key}.entry")
+
+
+def read_entry(key: str) -> Optional[dict]:
+    """The entry stored under `key`, or None (absent, or corrupt: then one warning)."""
+    path = entry_path(key)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    header_len = len(MAGIC) + 65
+    digest, payload = data[len(MAGIC):header_len - 1], data[header_len:]
+    if not data.startswith(MAGIC) or len(data) < header_len or \
+            hashlib.sha256(payload).hexdigest().encode() != digest:
+        warnings.warn(f"pipeline cache: entry {path} is corrupt or truncated (checksum mismatch); "
+                      f"recompiling and replacing it")
+        return None
+    try:
+        entry = pickle.loads(payload)
+    except Exception as e:  # the right bytes that no longer unpickle (e.g. a renamed class)
+        warnings.warn(f"pipeline cache: entry {path} could not be read ({type(e).__name__}: {e}); recompiling")
+        return None
+    return entry if isinstance(entry, dict) and entry.get("format") == FORMAT else None
+
+
+def write_entry(key: str, entry: dict) -> None:
+    """Writes atomically: a temporary file in the same folder, then `os.replace`."""
+    path = entry_path(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    payload = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".entry")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# -- one graph's entry while it compiles ----------------------------------------------------------
+class GraphCache:
+    """The cache entry of one captured graph while the pipeline compiles it: region artifacts for
+    dispatch to load and fill, and what each stage made. Status goes to the graph's record:
+    `record.cache` is "hit" (every region loaded), "miss", or "off: <why>"."""
+
+    def __init__(self, key: str, record):
+        self.key, self.record = key, record
+        start = time.perf_counter()
+        self.stored = read_entry(key)
+        record.seconds["cache load"] += time.perf_counter() - start
+        self.entry = {"format": FORMAT, "stages": {}, "wrappers": None,
+                      "artifacts": dict(self.stored["artifacts"]) if self.stored else {}}
+        record.cache = "hit" if self.stored else "miss"
+
+    @classmethod
+    def open(cls, gm, example_inputs, state, record) -> Optional["GraphCache"]:
+        reason = disabled_reason(state.cache)
+        if reason is None:
+            try:
+                return cls(graph_key(gm, example_inputs, state), record)
+            except Uncacheable as e:
+                reason = str(e)
+        record.cache = f"off: {reason}"
+        return None
+
+    @property
+    def artifacts(self) -> dict[str, RegionArtifact]:
+        return self.entry["artifacts"]
+
+    def wrappers_done(self, metadata: list) -> None:
+        """Records the runtime wrappers' metadata; a hit whose wrappers differ is a miss."""
+        if self.stored is not None and self.stored.get("wrappers") not in (None, metadata):
+            self._miss("runtime wrappers differ from the cached ones")
+        self.entry["wrappers"] = metadata
+        self._save()
+
+    def stage_done(self, stage: str, lowered_fingerprint: str, execution, executed) -> None:
+        """After a stage's dispatch: checks it against the stored entry and saves the entry."""
+        before = (self.stored or {}).get("stages", {}).get(stage)
+        if before is not None and before["lowered"] != lowered_fingerprint:
+            self._miss(f"the lowered {stage} trace differs from the cached one")
+        elif len(execution.loaded) < len(execution.regions):
+            self._miss(f"{len(execution.regions) - len(execution.loaded)} {stage} region(s) compiled")
+        self.record.cache_notes += execution.uncached
+        self.entry["stages"][stage] = {"lowered": lowered_fingerprint, "trace": str(executed),
+                                       "regions": list(execution.regions)}
+        self._save()
+
+    def _miss(self, why: str) -> None:
+        if self.record.cache == "hit" or self.record.cache == "miss":
+            self.record.cache = "miss"
+        self.record.cache_notes.append(why)
+
+    def _save(self) -> None:
+        if self.record.cache == "hit" and self.stored is not None and \
+                all(s in self.stored["stages"] for s in self.entry["stages"]):
+            return  # nothing new to write
+        start = time.perf_counter()
+        try:
+            write_entry(self.key, self.entry)
+        except Exception as e:  # a full disk or a read-only cache dir: compile on, uncached
+            self.record.cache_notes.append(f"entry not written: {type(e).__name__}: {e}")
+        self.record.seconds["cache save"] += time.perf_counter() - start

@@ -1,0 +1,104 @@
+"""Runtime wrappers: small objects around the compiled code, applied as an ordered chain.
+
+Each has a `pre_compile` (changes what is compiled: the trace and its example inputs) and a
+`post_compile` (changes what runs: wraps the compiled callable). `metadata()` is everything
+`post_compile` needs, and exactly what a cache entry stores to rebuild the wrapper (`from_metadata`).
+The design is AOTAutograd's `CompilerWrapper` (torch/_functorch/_aot_autograd/runtime_wrappers.py);
+AOTAutograd's own wrappers (input mutations, aliased outputs, detach of saved tensors, RNG state)
+stay inside `aot_module_simplified` and are rebuilt by it on every compile, cache hits included.
+
+    wrappers = graph_wrappers(state)
+    trace, inputs = pre_compile_all(wrappers, trace, inputs)    # first to last
+    fn = post_compile_all(wrappers, compiled)                   # last to first: the first is outermost
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch.fx as fx
+
+from ir import Trace
+
+from .boxed import boxed
+from .model_state import rewrite
+
+
+class RuntimeWrapper:
+    """One step of the chain; the base class changes nothing."""
+
+    def pre_compile(self, trace: Trace, example_inputs: list) -> tuple[Trace, list]:
+        return trace, example_inputs
+
+    def post_compile(self, fn: Callable) -> Callable:
+        return fn
+
+    def metadata(self) -> dict:
+        return {}
+
+
+class ModelTransformInputs(RuntimeWrapper):
+    """Model-changing transforms (quantize, fsdp): the captured graph reads the original parameters,
+    the compiled code reads the transforms' tensors. pre_compile rewrites the trace to take them;
+    post_compile feeds them in place of the originals. Metadata: for each captured input, the
+    qualified name of the parameter it replaces, or None."""
+
+    def __init__(self, replaced: dict, qualnames: Optional[list] = None):
+        self.replaced = replaced
+        self.qualnames = qualnames
+
+    def pre_compile(self, trace, example_inputs):
+        self.qualnames = [s.qualname if s.kind == "parameter" and s.qualname in self.replaced else None
+                          for s in trace.inputs]
+        rewritten, inputs, _ = rewrite(trace, list(example_inputs), self.replaced)
+        return rewritten, inputs
+
+    def post_compile(self, fn):
+        plan = [None if q is None else list(self.replaced[q].tensors.values()) for q in self.qualnames]
+
+        def run(*args):
+            flat = []
+            for a, tensors in zip(args, plan):
+                if tensors is None:
+                    flat.append(a)
+                else:
+                    flat.extend(tensors)
+            return fn(*flat)
+        return run
+
+    def metadata(self) -> dict:
+        return {"qualnames": self.qualnames}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict, replaced: dict) -> "ModelTransformInputs":
+        return cls(replaced, list(metadata["qualnames"]))
+
+
+class BoxedStage(RuntimeWrapper):
+    """A compiled stage (forward, backward, inference) takes its argument list and frees each input
+    after its last use (`boxed`). No metadata."""
+
+    def post_compile(self, gm: fx.GraphModule):
+        return boxed(gm)
+
+
+def graph_wrappers(state) -> list[RuntimeWrapper]:
+    """The chain around one captured graph's compiled code."""
+    return [ModelTransformInputs(state.replaced)] if state.replaced else []
+
+
+def pre_compile_all(wrappers: list[RuntimeWrapper], trace: Trace, example_inputs: list, record) -> tuple[Trace, list]:
+    for w in wrappers:
+        new, example_inputs = w.pre_compile(trace, example_inputs)
+        if new is not trace:
+            trace = record.add_trace(new)
+    return trace, example_inputs
+
+
+def post_compile_all(wrappers: list[RuntimeWrapper], fn: Callable) -> Callable:
+    for w in reversed(wrappers):
+        fn = w.post_compile(fn)
+    return fn
+
+
+def wrapper_metadata(wrappers: list[RuntimeWrapper]) -> list[tuple[str, dict]]:
+    return [(type(w).__name__, w.metadata()) for w in wrappers]
