@@ -74,16 +74,29 @@ class CompileStats:
     op_fallbacks: list[tuple[str, str, str]]  # (graph id, op, why it runs on torch)
     region_fallbacks: list[tuple[int, str]]   # (region id, why its executor did not compile it)
     decomposed: dict[str, int]                # op -> how many times it was decomposed
+    cache: dict[str, str] = dataclasses.field(default_factory=dict)  # graph id -> hit | miss | off: why
+    cache_notes: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (graph id, note)
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(v == "hit" for v in self.cache.values())
+
+    @property
+    def cache_misses(self) -> int:
+        return sum(v == "miss" for v in self.cache.values())
 
     def __str__(self) -> str:
         lines = [f"graphs: {self.graphs}   graph breaks: {len(self.graph_breaks)}   "
-                 f"recompilations: {self.recompilations}",
+                 f"recompilations: {self.recompilations}   cache hits: {self.cache_hits}   "
+                 f"misses: {self.cache_misses}",
                  "seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items())]
         lines += [f"graph break: {r}" for r in self.graph_breaks]
         lines += [f"recompiled: {r}" for r in self.recompile_reasons]
         lines += [f"{g} runs in eager: {why}" for g, why in self.eager_fallbacks.items()]
         lines += [f"{g}: {op} runs on torch: {why}" for g, op, why in self.op_fallbacks]
         lines += [f"region {i}: {why}" for i, why in self.region_fallbacks]
+        lines += [f"{g}: cache {status}" for g, status in self.cache.items() if status.startswith("off")]
+        lines += [f"{g}: cache: {note}" for g, note in self.cache_notes]
         if self.decomposed:
             lines.append("decomposed: " + ", ".join(f"{k}×{v}" for k, v in self.decomposed.items()))
         return "\n".join(lines)
@@ -108,7 +121,9 @@ def compile_stats(cm) -> CompileStats:
         op_fallbacks=[(r.graph_id, op, why) for r in state.records for op, why in r.fallbacks],
         region_fallbacks=[(g.id, g.fallback_reason) for r in state.records for g in r.regions
                           if g.fallback_reason],
-        decomposed=dict(decomposed))
+        decomposed=dict(decomposed),
+        cache={r.graph_id: r.cache for r in state.records if r.cache},
+        cache_notes=[(r.graph_id, n) for r in state.records for n in r.cache_notes])
 
 
 @dataclasses.dataclass
