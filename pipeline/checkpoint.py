@@ -4,19 +4,24 @@ Unsharded, `path` is one file: the original model's state dict under `model.<key
 the model loads it: `load_full(path)`), the optimizer's tensors under `optimizer.state.<index>.<name>`,
 its hyperparameters as JSON in the file's metadata.
 
-Under `fsdp`, `path` is a folder and each rank writes and reads only its part,
-`rank<r>-of-<w>.safetensors`: the rows of every sharded tensor it holds (and their optimizer state),
-plus, from rank 0, what is not sharded. `load_full(path)` puts the full tensors back together.
-Files are read tensor by tensor (`safe_open`), never whole.
+Under `fsdp`, `path` is a folder and each rank writes only its part, `rank<r>-of-<w>.safetensors`: its
+rows of every sharded tensor (and of their optimizer state), plus, from rank 0, what is not sharded;
+the file's `rows` metadata says which rows each part holds. Loading reads, for each tensor, only the
+rows this rank holds now, from whichever files hold them (safetensors' lazy slices), so a checkpoint
+saved on W ranks (or one file) loads on any number of ranks. `load_full(path)` assembles the whole.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import re
 from typing import Optional
 
 import torch
+
+from . import model_state
 
 MODEL, OPTIMIZER = "model.", "optimizer.state."
 
@@ -25,23 +30,23 @@ def save(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None) ->
     """Writes the model's state (and the optimizer's) to `path`; see the module docstring."""
     from safetensors.torch import save_file
 
-    sharded = _sharded(cm)
+    sharded = _row_sharded(cm)
     rank, world = _rank_world(sharded)
     tensors, metadata, rows = {}, {"format": "pt"}, {}
     if sharded:
         for qualname, r in sharded.items():
-            start, stop = r.transform.rows(r.original)
-            tensors[MODEL + qualname] = _storable(r.tensors["shard"][: stop - start], qualname)
-            rows[qualname] = [start, stop]
+            keys = {"": qualname, **r.extra_keys()}
+            for suffix, value in r.transform.local_rows(r.tensors, r.original).items():
+                tensors[MODEL + keys[suffix]] = _storable(value, keys[suffix])
+                rows[MODEL + keys[suffix]] = list(r.transform.row_shard(r.original))
+        rest = _unsharded_state(cm, sharded)  # every rank: decoding may gather
         if rank == 0:
-            for key, value in cm._original.state_dict().items():
-                if key not in sharded:
-                    tensors[MODEL + key] = _storable(value, key)
+            tensors.update({MODEL + k: _storable(v, k) for k, v in rest.items()})
     else:
         for key, value in cm.state_dict().items():
             tensors[MODEL + key] = _storable(value, key)
     if optimizer is not None:
-        metadata["optimizer"] = _save_optimizer(cm, optimizer, sharded, tensors)
+        metadata["optimizer"] = _save_optimizer(cm, optimizer, tensors, rows)
     metadata["rows"] = json.dumps(rows)
     if sharded:
         os.makedirs(path, exist_ok=True)
@@ -50,125 +55,158 @@ def save(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None) ->
 
 
 def load(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True):
-    """Loads what `save` wrote into `cm` (and `optimizer`); under fsdp each rank reads its own file
-    (and rank 0's unsharded tensors)."""
-    from safetensors import safe_open
-
-    sharded = _sharded(cm)
-    if not sharded:
-        state, optimizer_state, metadata = _read(path, optimizer is not None)
-        result = cm.load_state_dict(state, strict=strict)
-    else:
-        rank, world = _rank_world(sharded)
-        own = os.path.join(path, f"rank{rank}-of-{world}.safetensors")
-        if not os.path.exists(own):
-            raise FileNotFoundError(f"{own} is missing: {path} was not saved by {world} ranks "
-                                    f"(resharding to another world size is not supported yet)")
-        state, optimizer_state, metadata = _read(own, optimizer is not None)
-        with torch.no_grad():
-            for qualname, r in sharded.items():
-                part = state.pop(qualname)
-                r.tensors["shard"].zero_()
-                r.tensors["shard"][: part.shape[0]].copy_(part)
-        if rank != 0:
-            with safe_open(os.path.join(path, f"rank0-of-{world}.safetensors"), framework="pt") as f:
-                state.update({k[len(MODEL):]: f.get_tensor(k) for k in f.keys()
-                              if k.startswith(MODEL) and k[len(MODEL):] not in sharded})
-        result = cm._original.load_state_dict(state, strict=False)
-        missing = [k for k in result.missing_keys if k not in sharded]
-        if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(f"load: missing keys {missing}, unexpected keys {result.unexpected_keys}")
-    if optimizer is not None:
-        if "optimizer" not in metadata:
+    """Loads what `save` wrote (on any number of ranks) into `cm` (and `optimizer`), reading only the
+    rows of each tensor this rank holds."""
+    sharded = _row_sharded(cm)
+    with Checkpoint(path) as ckpt:
+        if optimizer is not None and "optimizer" not in ckpt.metadata:
             raise ValueError(f"{path} holds no optimizer state; it was saved without optimizer=")
-        _load_optimizer(cm, optimizer, sharded, optimizer_state, json.loads(metadata["optimizer"]))
+        owned, absent = set(), []
+        for qualname, r in sharded.items():
+            keys = {"": qualname, **r.extra_keys()}
+            owned |= {MODEL + k for k in keys.values()}
+            if MODEL + qualname not in ckpt:
+                absent.append(qualname)
+                continue
+            start, stop = r.transform.row_shard(r.original)
+            part = {s: ckpt.read(MODEL + k, start, stop) for s, k in keys.items() if MODEL + k in ckpt}
+            with torch.no_grad():
+                for suffix, value in r.transform.from_rows(part, r.original).items():
+                    r.tensors[suffix].copy_(value)
+        state = {k[len(MODEL):]: ckpt.read(k) for k in ckpt.keys() if k.startswith(MODEL) and k not in owned}
+        result = cm.load_state_dict(state, strict=strict and not absent)
+        if strict and absent:
+            raise RuntimeError(f"load: {path} lacks {absent[:5]}{' ...' if len(absent) > 5 else ''}")
+        if optimizer is not None:
+            _load_optimizer(cm, optimizer, ckpt, json.loads(ckpt.metadata["optimizer"]))
     return result
 
 
 def load_full(path: str) -> dict[str, torch.Tensor]:
     """The original model's full state dict from what `save` wrote (one file, or a folder of rank
     files), for an eager copy of the model: `model.load_state_dict(pipeline.load_full(path))`."""
-    from safetensors import safe_open
+    with Checkpoint(path) as ckpt:
+        return {k[len(MODEL):]: ckpt.read(k) for k in ckpt.keys() if k.startswith(MODEL)}
 
-    files = sorted(glob.glob(os.path.join(path, "rank*-of-*.safetensors"))) if os.path.isdir(path) else [path]
-    if not files:
-        raise FileNotFoundError(f"{path} holds no rank files")
-    parts: dict[str, list] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            rows = json.loads((f.metadata() or {}).get("rows", "{}"))
+
+class Checkpoint(contextlib.ExitStack):
+    """The tensors `save` wrote, by key, each whole in one file or as row parts over rank files;
+    `read(key, start, stop)` reads only those rows, through safetensors' lazy slices."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+        self.files = sorted(glob.glob(os.path.join(path, "rank*-of-*.safetensors"))) if os.path.isdir(path) else [path]
+        if not self.files:
+            raise FileNotFoundError(f"{path} holds no rank files")
+        worlds = {re.search(r"-of-(\d+)\.safetensors$", f).group(1) for f in self.files} if len(self.files) > 1 else set()
+        if len(worlds) > 1:
+            raise ValueError(f"{path} mixes files saved by {sorted(worlds)} ranks; keep one save per folder")
+        self.metadata: dict = {}
+        self.whole: dict = {}   # key -> open file
+        self.parts: dict = {}   # key -> [(start, stop, open file)]
+
+    def __enter__(self):
+        from safetensors import safe_open
+        super().__enter__()
+        for file in self.files:
+            f = self.enter_context(safe_open(file, framework="pt"))
+            metadata = f.metadata() or {}
+            self.metadata = self.metadata or metadata
+            rows = json.loads(metadata.get("rows", "{}"))
             for key in f.keys():
-                if key.startswith(MODEL):
-                    name = key[len(MODEL):]
-                    parts.setdefault(name, []).append((rows.get(name, [0])[0], f.get_tensor(key)))
-    return {name: torch.cat([t for _, t in sorted(p, key=lambda x: x[0])]) if len(p) > 1 else p[0][1]
-            for name, p in parts.items()}
+                if key in rows:
+                    self.parts.setdefault(key, []).append((*rows[key], f))
+                else:
+                    self.whole.setdefault(key, f)
+        return self
+
+    def keys(self) -> list[str]:
+        return list(self.whole) + [k for k in self.parts if k not in self.whole]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.whole or key in self.parts
+
+    def read(self, key: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
+        """Rows [start, stop) of tensor `key` (all of it by default)."""
+        if key in self.whole:
+            tensor = self.whole[key].get_slice(key)
+            return tensor[:] if start is None else tensor[start:stop]
+        parts = sorted(self.parts[key], key=lambda p: p[0])
+        if start is None:
+            start, stop = 0, max(p[1] for p in parts)
+        pieces = [f.get_slice(key)[max(start, a) - a: min(stop, b) - a] for a, b, f in parts if a < stop and b > start]
+        return torch.cat(pieces) if pieces else parts[0][2].get_slice(key)[0:0]
 
 
-def _read(path, with_optimizer):
-    from safetensors import safe_open
-    state, optimizer_state = {}, {}
-    with safe_open(path, framework="pt") as f:
-        metadata = f.metadata() or {}
-        for key in f.keys():
-            if key.startswith(MODEL):
-                state[key[len(MODEL):]] = f.get_tensor(key)
-            elif key.startswith(OPTIMIZER) and with_optimizer:
-                index, name = key[len(OPTIMIZER):].split(".", 1)
-                optimizer_state.setdefault(int(index), {})[name] = f.get_tensor(key)
-    return state, optimizer_state, metadata
+def _unsharded_state(cm, sharded) -> dict:
+    """The state dict without the row-sharded parameters (and their extra state)."""
+    replaced = {q: r for q, r in cm._state.replaced.items() if q not in sharded}
+    out = model_state.state_dict(cm._original.state_dict(), replaced)
+    for executor in cm._state.executors:
+        out.update(executor.extra_state())
+    return {k: v for k, v in out.items() if k not in sharded}
 
 
-def _save_optimizer(cm, optimizer, sharded, tensors) -> str:
+def _save_optimizer(cm, optimizer, tensors, rows) -> str:
     state = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    live_rows = _live_rows(cm, sharded)
+    param_rows = _param_rows(cm)
     scalars: dict[str, dict[str, object]] = {}
     for index, entries in state["state"].items():
-        keep = live_rows.get(id(params[index]))
+        held = param_rows.get(id(params[index]))
         for name, value in entries.items():
+            key = f"{OPTIMIZER}{index}.{name}"
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                value = value[:keep] if keep is not None else value
-                tensors[f"{OPTIMIZER}{index}.{name}"] = _storable(value, f"optimizer state {index}.{name}")
+                if held is not None:
+                    value = value[: held[1] - held[0]]
+                    rows[key] = list(held)
+                tensors[key] = _storable(value, f"optimizer state {index}.{name}")
             else:
                 scalars.setdefault(str(index), {})[name] = value.item() if isinstance(value, torch.Tensor) else value
     return json.dumps({"param_groups": state["param_groups"], "scalars": scalars})
 
 
-def _load_optimizer(cm, optimizer, sharded, tensors, saved) -> None:
+def _load_optimizer(cm, optimizer, ckpt: Checkpoint, saved) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    param_rows = _param_rows(cm)
     state: dict[int, dict] = {}
-    for index, entries in tensors.items():
-        param = params[index]
-        for name, value in entries.items():
-            if value.shape[0] != param.shape[0] and value.dim() == param.dim():  # a shard without its padding
-                value = torch.cat([value, value.new_zeros((param.shape[0] - value.shape[0], *value.shape[1:]))])
-            state.setdefault(index, {})[name] = value
+    for key in ckpt.keys():
+        if not key.startswith(OPTIMIZER):
+            continue
+        index, name = key[len(OPTIMIZER):].split(".", 1)
+        param = params[int(index)]
+        held = param_rows.get(id(param))
+        value = ckpt.read(key, *held) if held is not None else ckpt.read(key)
+        if value.dim() == param.dim() and value.shape[0] < param.shape[0] and held is not None:  # pad the shard
+            value = torch.cat([value, value.new_zeros((param.shape[0] - value.shape[0], *value.shape[1:]))])
+        if value.dim() == param.dim() and value.shape != param.shape:
+            raise ValueError(f"load: optimizer state {name} of parameter {index} is {tuple(value.shape)} in "
+                             f"{ckpt.path}, the parameter is {tuple(param.shape)}")
+        state.setdefault(int(index), {})[name] = value
     for index, scalars in saved["scalars"].items():
         for name, value in scalars.items():
             state.setdefault(int(index), {})[name] = torch.tensor(float(value)) if name == "step" else value
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
-def _live_rows(cm, sharded) -> dict[int, int]:
-    """id(shard parameter) -> how many of its rows are real (not padding)."""
-    out = {}
-    for r in sharded.values():
-        start, stop = r.transform.rows(r.original)
-        out[id(r.tensors["shard"])] = stop - start
-    return out
+def _param_rows(cm) -> dict[int, tuple[int, int]]:
+    """id(tensor) -> the rows [start, stop) it holds of its full tensor, for row-sharded tensors."""
+    return {id(t): r.transform.row_shard(r.original) for r in _row_sharded(cm).values() for t in r.tensors.values()}
 
 
-def _sharded(cm) -> dict:
-    state = getattr(cm, "_state", None)
-    replaced = getattr(state, "replaced", {}) or {}
-    return {q: r for q, r in replaced.items() if hasattr(r.transform, "rows") and r.transform.world > 1}
+def _row_sharded(cm) -> dict:
+    """The replaced parameters of which this rank holds only some rows."""
+    replaced = getattr(getattr(cm, "_state", None), "replaced", {}) or {}
+    return {q: r for q, r in replaced.items() if r.transform.row_shard(r.original) is not None}
 
 
 def _rank_world(sharded) -> tuple[int, int]:
     if not sharded:
         return 0, 1
     t = next(iter(sharded.values())).transform
+    while hasattr(t, "then"):  # a chain: the sharding transform comes last
+        t = t.then
     return t.rank, t.world
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from ir import InputSpec, Trace, node_value
+from transforms.chain import for_parameter
 from transforms.model_transform import ModelTransform
 
 
@@ -21,13 +22,14 @@ class Replaced:
     def extra_keys(self) -> dict[str, str]:
         """suffix -> state-dict key of transform-owned state."""
         base = f"{self.module_prefix}._extra_state" if self.module_prefix else "_extra_state"
-        return {s: f"{base}.{self.attr}_{s}" for s in self.transform.extra_state(self.tensors)}
+        return {s: f"{base}.{self.attr}_{s}" for s in self.transform.extra}
 
 
 def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
           device: torch.device | None = None) -> dict[str, Replaced]:
-    """Replaces the parameters the transforms claim (first claimant wins) by light placeholders of the
-    same shape, dtype and device, so the original module still captures; returns what replaced them.
+    """Replaces the parameters the transforms claim by light placeholders of the same shape, dtype and
+    device, so the original module still captures; returns what replaced them. Where several
+    transforms claim one parameter they apply as a chain, in the order given (`transforms.chain`).
 
     `reader` (an open safetensors file) supplies the values of parameters still on the meta device:
     a transform reads only the slices it keeps (`encode_slices`), never the whole tensor."""
@@ -35,8 +37,10 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
     for module_prefix, module in model.named_modules():
         for attr, param in list(module.named_parameters(recurse=False)):
             qualname = f"{module_prefix}.{attr}" if module_prefix else attr
-            transform = next((t for t in transforms if t.applies_to(module, qualname, param)), None)
-            if transform is None or qualname in replaced:
+            if qualname in replaced:
+                continue
+            transform = for_parameter(transforms, module, qualname, param)
+            if transform is None:
                 continue
             target = device if param.is_meta else param.device
             if param.is_meta:
@@ -73,7 +77,7 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
         new = {}
         with graph.inserting_before(node):
             for suffix, tensor in r.tensors.items():
-                p = graph.placeholder(f"{node.name}_{suffix}")
+                p = graph.placeholder(f"{node.name}_{suffix.replace('.', '_')}")
                 fake = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode is not None else tensor
                 p.meta["val"] = p.meta["example_value"] = fake
                 new[suffix] = p
@@ -109,8 +113,9 @@ def state_dict(original_state: dict, replaced: dict[str, Replaced]) -> dict:
     for qualname, r in replaced.items():
         if qualname in out:
             out[qualname] = r.transform.decode(r.tensors, r.original).to(r.original.dtype)
+            extra = r.transform.extra_state(r.tensors, r.original)
             for suffix, key in r.extra_keys().items():
-                out[key] = r.transform.extra_state(r.tensors)[suffix].detach().clone()
+                out[key] = extra[suffix].detach().clone()
     return out
 
 
@@ -121,8 +126,7 @@ def load_state_dict(model: torch.nn.Module, state: dict, replaced: dict[str, Rep
         extra = {s: rest.pop(k) for s, k in r.extra_keys().items() if k in rest}
         if qualname not in rest:
             continue
-        like = {**r.tensors, **extra} if extra else None
-        encoded = r.transform.encode(rest.pop(qualname).to(r.tensors[next(iter(r.tensors))].device), like)
+        encoded = r.transform.encode(rest.pop(qualname).to(r.tensors[next(iter(r.tensors))].device), extra or None)
         with torch.no_grad():
             for suffix, tensor in encoded.items():
                 r.tensors[suffix].copy_(tensor)

@@ -1,5 +1,6 @@
 """Transforms: trace passes (Trace -> Trace), each declaring where in the pipeline it runs."""
 from .base import STAGES, TracePass, as_pass, trace_pass
+from .chain import Chain, chain
 from .checkpoint import checkpoint
 from .cpu_offload import cpu_offload
 from .fsdp import FSDP, fsdp
@@ -9,4 +10,4 @@ from .model_transform import ModelTransform
 from .quantize import quantize
 
 __all__ = ["TracePass", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload",
-           "ModelTransform", "quantize", "materialize", "Materialize", "fsdp", "FSDP"]
+           "ModelTransform", "chain", "Chain", "quantize", "materialize", "Materialize", "fsdp", "FSDP"]

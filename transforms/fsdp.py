@@ -39,27 +39,32 @@ class FSDP(ModelTransform):
     def applies_to(self, module, qualname, param) -> bool:
         return param.is_floating_point() and param.requires_grad and param.dim() >= 1
 
-    def encode(self, value, like=None):
-        rows = math.ceil(value.shape[0] / self.world)
-        padded = value.new_zeros((rows * self.world, *value.shape[1:]))
-        padded[: value.shape[0]] = value
-        return {"shard": padded[self.rank * rows:(self.rank + 1) * rows].clone()}
-
-    def encode_slices(self, source, original):
-        """Reads only this rank's rows of the parameter from the file."""
-        n = original.shape[0]
-        rows = math.ceil(n / self.world)
-        start, stop = min(self.rank * rows, n), min((self.rank + 1) * rows, n)
-        shard = torch.zeros((rows, *original.shape[1:]), dtype=original.dtype)
-        if stop > start:
-            shard[: stop - start] = source[start:stop]
-        return {"shard": shard}
+    def cannot_encode(self, value):
+        return "it shards along dim 0 and a 0-d tensor has none" if value.dim() == 0 else None
 
     def rows(self, original) -> tuple[int, int]:
         """The rows [start, stop) of the original parameter this rank holds."""
         n = original.shape[0]
         per = math.ceil(n / self.world)
         return min(self.rank * per, n), min((self.rank + 1) * per, n)
+
+    def row_shard(self, original):
+        return self.rows(original) if self.world > 1 else None
+
+    def encode(self, value, like=None):
+        start, stop = self.rows(value)
+        return self.from_rows({"": value[start:stop]}, value)
+
+    def from_rows(self, rows, original):
+        """This rank's rows, padded with zero rows to ceil(n / world)."""
+        part = rows[""]
+        shard = part.new_zeros((math.ceil(original.shape[0] / self.world), *original.shape[1:]))
+        shard[: part.shape[0]] = part
+        return {"shard": shard}
+
+    def local_rows(self, tensors, original):
+        start, stop = self.rows(original)
+        return {"": tensors["shard"][: stop - start]}
 
     def decode(self, tensors, original):
         shard = tensors["shard"].detach()
@@ -69,9 +74,12 @@ class FSDP(ModelTransform):
 
     def rebuild(self, graph: fx.Graph, inputs, original):
         import torch.distributed._functional_collectives as fcol
-        gather = getattr(fcol, "all_gather_single_autograd", None) or fcol.all_gather_tensor_autograd
         shard = inputs["shard"]
         fake_shard = node_value(shard)
+        trained = fake_shard.requires_grad  # frozen tensors (e.g. quantized weights) need no gradient path
+        gather = fcol.all_gather_tensor
+        if trained:
+            gather = getattr(fcol, "all_gather_single_autograd", None) or fcol.all_gather_tensor_autograd
         gathered = graph.call_function(gather, (shard, 0, self.group.group_name))
         gathered.meta["val"] = fake_like(fake_shard, (fake_shard.shape[0] * self.world, *fake_shard.shape[1:]))
         waited = graph.call_function(fcol.wait_tensor, (gathered,))
@@ -80,16 +88,18 @@ class FSDP(ModelTransform):
         if gathered.meta["val"].shape[0] != original.shape[0]:
             full = graph.call_method("narrow", (waited, 0, 0, original.shape[0]))
             full.meta["val"] = fake_like(fake_shard, original.shape)
-        # value unchanged (x + 0); gradient scaled by 1/world: the ranks' mean, as one whole batch
-        detached = graph.call_method("detach", (full,))
-        delta = graph.call_function(operator.sub, (full, detached))
-        scaled = graph.call_function(operator.mul, (delta, 1.0 / self.world))
-        value = graph.call_function(operator.add, (detached, scaled))
-        for n in (detached, delta, scaled, value):
-            n.meta["val"] = fake_like(fake_shard, original.shape)
-        for n in (gathered, waited, full, detached, delta, scaled, value):
+        nodes = [gathered, waited, full]
+        if trained:  # value unchanged (x + 0); gradient scaled by 1/world: the ranks' mean, as one whole batch
+            detached = graph.call_method("detach", (full,))
+            delta = graph.call_function(operator.sub, (full, detached))
+            scaled = graph.call_function(operator.mul, (delta, 1.0 / self.world))
+            full = graph.call_function(operator.add, (detached, scaled))
+            for n in (detached, delta, scaled, full):
+                n.meta["val"] = fake_like(fake_shard, original.shape)
+            nodes += [detached, delta, scaled, full]
+        for n in nodes:
             n.meta["example_value"] = n.meta["val"]
-        return value
+        return full
 
     def passes(self):
         return [TracePass(regather_in_backward, runs_on="joint", name="fsdp.regather_in_backward")]

@@ -5,7 +5,12 @@ Dynamo still captures the original module; the transform then
   - rewrites the captured trace so each replaced parameter's placeholder becomes placeholders for
     the new tensors plus the ops that rebuild the original value from them (`rebuild`), and
   - maps state dicts both ways (`decode` for saving the original keys, `encode` for loading).
-The compiled code runs on the new tensors; `cm.parameters()` returns them.
+The compiled code runs on the new tensors; `cm.parameters()` returns them. Transforms chain
+(`transforms.chain`): each later one encodes every tensor the one before produced.
+
+A transform that holds only some rows (dim 0) of a parameter on this rank (FSDP) says which
+(`row_shard`) and converts between those rows and its tensors (`from_rows` / `local_rows`), so
+sharded checkpoints save and load each rank's rows, on any number of ranks.
 """
 from __future__ import annotations
 
@@ -18,20 +23,30 @@ import torch.fx as fx
 class ModelTransform:
     name = "model_transform"
     trainable = False  # whether the new tensors are trained (FSDP shards) or frozen (quantized weights)
+    extra: tuple[str, ...] = ()  # suffixes of new tensors a state dict carries (`_extra_state`), e.g. scales
+    rowwise = False  # encode/decode treat each row (dim 0) on its own, so they commute with row sharding
 
     def applies_to(self, module: torch.nn.Module, qualname: str, param: torch.Tensor) -> bool:
         """Whether this transform replaces parameter `qualname` (owned by `module`)."""
         raise NotImplementedError
 
+    def cannot_encode(self, value: torch.Tensor) -> Optional[str]:
+        """Why `value` (a meta tensor: shape and dtype) cannot be encoded, or None. Checked on the
+        tensors an earlier transform of a chain hands over."""
+        return None
+
     def encode(self, value: torch.Tensor, like: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
-        """The new tensors standing for `value`, by suffix. `like`: the current ones, whose
-        transform-owned state (e.g. scales) loading a state dict keeps."""
+        """The new tensors standing for `value`, by suffix. `like`: transform-owned state (the `extra`
+        tensors, e.g. scales) from a state dict being loaded, which the encoding keeps."""
         raise NotImplementedError
 
     def encode_slices(self, source, original: torch.Tensor) -> dict[str, torch.Tensor]:
         """`encode` for a parameter still on the meta device, read from a safetensors slice `source`
-        (`source[a:b]` reads rows a..b). The default reads it whole; FSDP reads only its shard."""
-        return self.encode(source[:])
+        (`source[a:b]` reads rows a..b): only this rank's rows when it holds a row shard."""
+        rows = self.row_shard(original)
+        if rows is None:
+            return self.encode(source[:])
+        return self.from_rows({"": source[rows[0]:rows[1]]}, original)
 
     def decode(self, tensors: dict[str, torch.Tensor], original: torch.Tensor) -> torch.Tensor:
         """The original parameter's value from the new tensors (`original`: its shape and dtype)."""
@@ -46,6 +61,19 @@ class ModelTransform:
         """Trace passes this transform needs (e.g. FSDP's joint-graph recompute tags)."""
         return []
 
-    def extra_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Transform-owned tensors a state dict carries under `<module>._extra_state.<suffix>`."""
-        return {}
+    def extra_state(self, tensors: dict[str, torch.Tensor], original: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Transform-owned tensors a state dict carries under `<module>._extra_state.<attr>_<suffix>`."""
+        return {s: tensors[s] for s in self.extra}
+
+    def row_shard(self, original: torch.Tensor) -> Optional[tuple[int, int]]:
+        """The rows [start, stop) of the original value this rank holds, when it holds only those."""
+        return None
+
+    def from_rows(self, rows: dict[str, torch.Tensor], original: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The new tensors from this rank's rows of the original value (`rows[""]`) and of the extra
+        state (`rows[suffix]`); see `row_shard`."""
+        raise NotImplementedError(f"{self.name} holds no row shards")
+
+    def local_rows(self, tensors: dict[str, torch.Tensor], original: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inverse of `from_rows`: this rank's rows of the original value and of the extra state."""
+        raise NotImplementedError(f"{self.name} holds no row shards")

@@ -4,7 +4,7 @@ The model holds the weights quantized — int8 with one fp32 scale per output ch
 with per-channel scales — and the trace dequantizes them right before use (`weight.to(f32) * scale`),
 so a region executor may fuse the dequantize into its kernels. The weights are never dequantized
 once at load time. `cm.state_dict()` gives the dequantized weights under the original keys and the
-scales under `<module>._extra_state.scale`; loading that state dict back re-quantizes with those
+scales under `<module>._extra_state.weight_scale`; loading that state dict back re-quantizes with those
 scales, to the same bits.
 """
 from __future__ import annotations
@@ -22,6 +22,9 @@ _FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 
 
 class WeightOnlyQuantization(ModelTransform):
+    extra = ("scale",)
+    rowwise = True  # one scale per output channel (row)
+
     def __init__(self, kind: str):
         if kind not in _FORMATS:
             raise ValueError(f"quantize: kind must be one of {sorted(_FORMATS)}, got {kind!r}")
@@ -31,6 +34,11 @@ class WeightOnlyQuantization(ModelTransform):
 
     def applies_to(self, module, qualname, param) -> bool:
         return isinstance(module, torch.nn.Linear) and qualname.endswith("weight") and param.is_floating_point()
+
+    def cannot_encode(self, value):
+        if value.dim() != 2 or not value.is_floating_point():
+            return f"it quantizes 2-D floating-point weights, not a {value.dim()}-D {value.dtype} tensor"
+        return None
 
     def encode(self, value, like: Optional[dict[str, torch.Tensor]] = None):
         value = value.detach().float()
@@ -57,9 +65,6 @@ class WeightOnlyQuantization(ModelTransform):
         wide.meta["val"] = wide.meta["example_value"] = fake
         value.meta["val"] = value.meta["example_value"] = fake
         return value
-
-    def extra_state(self, tensors):
-        return {"scale": tensors["scale"]}
 
 
 def quantize(kind: str = "int8") -> WeightOnlyQuantization:

@@ -1,0 +1,122 @@
+"""`chain(a, b, ...)`: model transforms applied one after another, itself a model transform.
+
+`transforms=[quantize("int8"), fsdp()]` is the chain `quantize → fsdp`: on a parameter both apply to,
+quantize encodes the weight into `q` and `scale`, then fsdp shards each of those (suffixes `q.shard`,
+`scale.shard`). Decoding runs the chain backwards (gather, then dequantize) and the trace rebuild
+nests the same way. A parameter only some parts apply to gets the chain of those parts (`for_parameter`).
+
+Two transforms compose when the later one can encode every tensor the earlier one produces and keeps
+no state of its own in the state dict (its extra state would describe intermediate tensors, not the
+original model). Anything else is an error naming the parameter, both transforms and why.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .model_transform import ModelTransform
+
+
+class Chain(ModelTransform):
+    def __init__(self, first: ModelTransform, then: ModelTransform):
+        self.first, self.then = first, then
+        self.name = f"{first.name}→{then.name}"
+        self.trainable = first.trainable and then.trainable
+        self.extra = first.extra
+        self.rowwise = first.rowwise and then.rowwise
+
+    def parts(self) -> list[ModelTransform]:
+        return [p for t in (self.first, self.then) for p in (t.parts() if isinstance(t, Chain) else [t])]
+
+    def applies_to(self, module, qualname, param) -> bool:
+        return any(p.applies_to(module, qualname, param) for p in self.parts())
+
+    def check(self, qualname: str, original: torch.Tensor) -> None:
+        """Raises if `then` cannot take what `first` produces for parameter `qualname`."""
+        for suffix, mid in self._mids(original).items():
+            why = self.then.cannot_encode(mid)
+            if why is None and self.then.extra:
+                why = f"it would keep its own state ({', '.join(self.then.extra)}) for an intermediate tensor"
+            if why is not None:
+                raise ValueError(f"{qualname}: {self.then.name} cannot follow {self.first.name}: on the "
+                                 f"{tuple(mid.shape)} {mid.dtype} tensor '{suffix}' {self.first.name} "
+                                 f"produces, {why}. Reorder the transforms or leave one out for this parameter.")
+
+    def _mids(self, original) -> dict[str, torch.Tensor]:
+        """What `first` produces for `original`, as meta tensors (shapes and dtypes)."""
+        meta = torch.empty(original.shape, dtype=original.dtype, device="meta")
+        return self.first.encode(meta)
+
+    @staticmethod
+    def _group(tensors: dict, suffix: str) -> dict:
+        """`then`'s tensors for `first`'s tensor `suffix`: `q.shard` -> `shard`."""
+        return {k[len(suffix) + 1:]: v for k, v in tensors.items() if k.startswith(suffix + ".")}
+
+    def encode(self, value, like=None):
+        mid = self.first.encode(value, like)
+        return {f"{s}.{s2}": t2 for s, t in mid.items() for s2, t2 in self.then.encode(t).items()}
+
+    def decode(self, tensors, original):
+        mid = {s: self.then.decode(self._group(tensors, s), m) for s, m in self._mids(original).items()}
+        return self.first.decode(mid, original)
+
+    def extra_state(self, tensors, original):
+        mids = self._mids(original)
+        mid = {s: self.then.decode(self._group(tensors, s), mids[s]) for s in self.first.extra}
+        return self.first.extra_state(mid, original)
+
+    def rebuild(self, graph, inputs, original):
+        mid = {s: self.then.rebuild(graph, self._group(inputs, s), m) for s, m in self._mids(original).items()}
+        return self.first.rebuild(graph, mid, original)
+
+    def passes(self):
+        seen, out = set(), []
+        for p in self.first.passes() + self.then.passes():
+            if p.name not in seen:
+                seen.add(p.name)
+                out.append(p)
+        return out
+
+    # Row shards (sharded checkpoints): `then` shards rows, `first` works row by row, so this rank's
+    # rows of the original are `first` applied to this rank's rows of `first`'s tensors.
+    def row_shard(self, original):
+        return self.then.row_shard(original) if self.first.rowwise else None
+
+    def from_rows(self, rows, original):
+        extra = {s: t for s, t in rows.items() if s}
+        mid = self.first.encode(rows[""], extra or None)
+        mids = self._mids(original)
+        return {f"{s}.{s2}": t2 for s, t in mid.items()
+                for s2, t2 in self.then.from_rows({"": t}, mids[s]).items()}
+
+    def local_rows(self, tensors, original):
+        mids = self._mids(original)
+        local = {s: self.then.local_rows(self._group(tensors, s), m)[""] for s, m in mids.items()}
+        start, stop = self.row_shard(original)
+        part = torch.empty((stop - start, *original.shape[1:]), dtype=original.dtype, device="meta")
+        return {"": self.first.decode(local, part).to(original.dtype), **self.first.extra_state(local, part)}
+
+
+def for_parameter(transforms: list[ModelTransform], module, qualname: str, param) -> Optional[ModelTransform]:
+    """The chain of those `transforms` (chains among them flattened) that apply to parameter
+    `qualname`, checked to compose; None if none applies."""
+    flat = [p for t in transforms for p in (t.parts() if isinstance(t, Chain) else [t])]
+    parts = [p for p in flat if p.applies_to(module, qualname, param)]
+    if not parts:
+        return None
+    transform = parts[0]
+    for part in parts[1:]:
+        transform = Chain(transform, part)
+        transform.check(qualname, param)
+    return transform
+
+
+def chain(*transforms: ModelTransform) -> ModelTransform:
+    """The model transforms applied in order, as one (what `transforms=[...]` does with several)."""
+    if not transforms:
+        raise ValueError("chain: give at least one model transform")
+    out = transforms[0]
+    for t in transforms[1:]:
+        out = Chain(out, t)
+    return out
