@@ -1,0 +1,228 @@
+"""The compiled-artifact cache: hits give bit-identical results, corrupt entries recompile with one
+warning, racing processes both succeed, and the cache can be turned off per model, by env, per pass."""
+import copy
+import glob
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+
+import pipeline
+from pipeline.cache import read_entry, uncached
+from pipeline.runtime_wrappers import ModelTransformInputs
+from transforms import quantize, trace_pass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_step(cm, model, x):
+    out = cm(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+def compile_and_step(model, x, **kwargs):
+    torch._dynamo.reset()
+    cm = pipeline.jit(model, **{"executors": ["torch"], **kwargs})
+    out, grads = train_step(cm, model, x)
+    return cm, out, grads
+
+
+def entries():
+    return glob.glob(os.path.join(os.environ["PIPELINE_CACHE_DIR"], "*", "*.entry"))
+
+
+def assert_identical(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_second_compile_hits_and_is_bit_identical(mlp):
+    x = torch.randn(4, 16)
+    cold, out0, grads0 = compile_and_step(mlp, x)
+    warm, out1, grads1 = compile_and_step(mlp, x)
+    assert pipeline.compile_stats(cold).cache == {"g0": "miss"}
+    stats = pipeline.compile_stats(warm)
+    assert stats.cache == {"g0": "hit"} and stats.cache_hits == 1 and stats.cache_misses == 0
+    assert "cache load" in stats.seconds and not any(k.startswith("compile:") for k in stats.seconds)
+    assert torch.equal(out0, out1)
+    assert_identical(grads0, grads1)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip bytes"])
+def test_corrupt_entry_recompiles_with_one_warning(mlp, damage):
+    x = torch.randn(4, 16)
+    _, out0, grads0 = compile_and_step(mlp, x)
+    [path] = entries()
+    data = bytearray(open(path, "rb").read())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[-40:-30] = bytes(b ^ 0xFF for b in data[-40:-30])
+    open(path, "wb").write(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cm, out1, grads1 = compile_and_step(mlp, x)
+    assert [str(w.message) for w in caught if "pipeline cache" in str(w.message)] == \
+        [f"pipeline cache: entry {path} is corrupt or truncated (checksum mismatch); recompiling and replacing it"]
+    assert pipeline.compile_stats(cm).cache == {"g0": "miss"}
+    assert torch.equal(out0, out1)
+    assert_identical(grads0, grads1)
+    cm, _, _ = compile_and_step(mlp, x)  # the recompile replaced the entry
+    assert pipeline.compile_stats(cm).cache == {"g0": "hit"}
+
+
+RACER = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, "tests")
+    import pipeline
+    from conftest import MLP
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 16)
+    cm = pipeline.jit(model, executors=["torch"])
+    time.sleep(max(0.0, float(sys.argv[1]) - time.time()))  # both processes compile at once
+    out = cm(x)
+    out.sum().backward()
+    print(pipeline.compile_stats(cm).cache["g0"], out.sum().item().hex())
+""")
+
+
+def test_two_processes_racing_to_fill_one_entry_both_succeed(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
+    env = dict(os.environ)
+    start_at = str(time.time() + 8)  # after both have imported torch
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, start_at], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    results = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    outputs = [out.split()[-1] for out, _ in results]
+    assert outputs[0] == outputs[1]
+    [path] = entries()
+    assert not glob.glob(str(tmp_path / "cache" / "*" / ".tmp-*"))
+    assert read_entry(os.path.basename(path)[: -len(".entry")]) is not None
+
+
+WARM = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, "tests")
+    import pipeline
+    from conftest import MLP
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 16)
+    cm = pipeline.jit(model, executors=["inductor"])
+    out = cm(x)
+    out.sum().backward()
+    stats = pipeline.compile_stats(cm)
+    print(json.dumps({"cache": stats.cache, "compiled": [k for k in stats.seconds if k.startswith("compile:")],
+                      "values": [t.detach().flatten().tolist() for t in [out, *(p.grad for p in model.parameters())]]}))
+""")
+
+
+def test_inductor_warm_process_with_empty_inductor_cache_is_bit_identical(tmp_path):
+    """A second process finds the entry and loads Inductor's kernels from it, compiling nothing."""
+    env = {**os.environ, "PIPELINE_CACHE_DIR": str(tmp_path / "cache")}
+    runs = []
+    for name in ("cold", "warm"):
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / f"inductor-{name}")
+        done = subprocess.run([sys.executable, "-c", WARM], cwd=ROOT, env=env, text=True,
+                              capture_output=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["cache"] == {"g0": "miss"} and cold["compiled"] == ["compile:inductor"]
+    assert warm["cache"] == {"g0": "hit"} and warm["compiled"] == []
+    assert warm["values"] == cold["values"]  # float lists: equal means bit-identical (no NaNs here)
+
+
+def test_cache_off_by_option_or_env(mlp, monkeypatch):
+    x = torch.randn(4, 16)
+    cm, _, _ = compile_and_step(mlp, x, cache=False)
+    assert pipeline.compile_stats(cm).cache == {"g0": "off: jit(..., cache=False)"}
+    monkeypatch.setenv("PIPELINE_CACHE", "0")
+    cm, _, _ = compile_and_step(mlp, x)
+    assert pipeline.compile_stats(cm).cache == {"g0": "off: PIPELINE_CACHE=0"}
+    assert entries() == []
+    with pytest.raises(TypeError, match="cache must be True or False"):
+        pipeline.jit(mlp, cache="yes")
+
+
+def identity_pass(trace):
+    return trace.derive(trace.editable(), by="identity")
+
+
+def test_pass_that_opts_out_disables_the_cache_with_the_reason(mlp):
+    opted_out = uncached(trace_pass(identity_pass))
+    cm, _, _ = compile_and_step(mlp, torch.randn(4, 16), transforms=[opted_out])
+    assert pipeline.compile_stats(cm).cache == {"g0": "off: pass 'identity_pass' opts out of caching"}
+    assert entries() == []
+
+
+def test_pass_without_readable_source_disables_the_cache(mlp):
+    namespace = {}
+    exec("def generated(trace):\n    return trace.derive(trace.editable(), by='generated')", namespace)
+    cm, _, _ = compile_and_step(mlp, torch.randn(4, 16), transforms=[namespace["generated"]])
+    status = pipeline.compile_stats(cm).cache["g0"]
+    assert status.startswith("off: pass 'generated': its source cannot be read")
+
+
+def scaled_pass(factor):
+    def scale_outputs(trace):
+        gm = trace.editable()
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.gelu.default:
+                node.kwargs = {**node.kwargs, "approximate": "tanh" if factor > 1 else "none"}
+        gm.recompile()
+        return trace.derive(gm, by="scale_outputs")
+    return trace_pass(scale_outputs)
+
+
+def test_a_pass_closure_change_is_a_different_entry(mlp):
+    x = torch.randn(4, 16)
+    first, out_a, _ = compile_and_step(mlp, x, transforms=[scaled_pass(1)])
+    second, out_b, _ = compile_and_step(mlp, x, transforms=[scaled_pass(2)])
+    assert pipeline.compile_stats(second).cache == {"g0": "miss"}
+    assert not torch.equal(out_a, out_b) and len(entries()) == 2
+
+
+def test_executor_without_artifacts_still_caches_the_graph_and_says_so(mlp):
+    from executors import Executor
+
+    class Plain(Executor):
+        name = "plain"
+
+        def claims_op(self, op, node):
+            return op is torch.ops.aten.gelu.default
+
+        def compile_region(self, gm, example_inputs):
+            return gm.forward
+
+    cm, out0, _ = compile_and_step(mlp, torch.randn(4, 16), executors=[Plain()])
+    notes = pipeline.compile_stats(cm).cache_notes
+    assert any("executor 'plain' has no serializable artifact" in n for _, n in notes)
+    cm, out1, _ = compile_and_step(mlp, torch.randn(4, 16), executors=[Plain()])
+    assert pipeline.compile_stats(cm).cache == {"g0": "miss"}  # its regions are compiled again
+
+
+def test_model_transform_inputs_wrapper_rebuilds_from_its_metadata():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    x = torch.randn(3, 8)
+    outs = []
+    for _ in range(2):  # jit replaces the weights it quantizes: each round gets its own copy
+        torch._dynamo.reset()
+        cm = pipeline.jit(copy.deepcopy(model), executors=["torch"], transforms=[quantize("int8")])
+        with torch.no_grad():
+            outs.append(cm(x))
+    assert pipeline.compile_stats(cm).cache == {"g0": "hit"}
+    assert torch.equal(outs[0], outs[1])
+    wrapper = ModelTransformInputs(cm._state.replaced, ["0.weight", None, None, "2.weight", None, None])
+    rebuilt = ModelTransformInputs.from_metadata(wrapper.metadata(), cm._state.replaced)
+    seen = rebuilt.post_compile(lambda *args: args)("w0", "b0", "x", "w2", "b2", "y")
+    assert seen[:2] == tuple(cm._state.replaced["0.weight"].tensors.values()) and seen[2:4] == ("b0", "x")
