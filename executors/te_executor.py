@@ -37,7 +37,7 @@ _LINEARS = {torch._C._nn.linear, torch.nn.functional.linear}
 # -- the custom ops ----------------------------------------------------------------------------------
 @torch.library.custom_op("pipeline_te::linear", mutates_args=())
 def te_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8: bool,
-              scaling: int = -1, index: int = -1) -> list[torch.Tensor]:
+              scaling: int, index: int) -> list[torch.Tensor]:
     """[y] in bf16 mode; [y, x^T fp8, x scale_inv, W^T fp8, W scale_inv] in fp8 mode.
 
     `scaling`: -1 for current scaling, else the handle of a `DelayedScalingState`, whose linear
@@ -58,7 +58,7 @@ def te_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 
 @te_linear.register_fake
-def _(x, weight, bias, fp8, scaling=-1, index=-1):
+def _(x, weight, bias, fp8, scaling, index):
     y = x.new_empty(*x.shape[:-1], weight.shape[0])
     if not fp8:
         return [y]
@@ -69,7 +69,7 @@ def _(x, weight, bias, fp8, scaling=-1, index=-1):
 
 @torch.library.custom_op("pipeline_te::linear_backward", mutates_args=())
 def te_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool, fp8: bool,
-                       scaling: int = -1, index: int = -1) -> list[torch.Tensor]:
+                       scaling: int, index: int) -> list[torch.Tensor]:
     """[dx, dW] (+ [db]) from dy and what the forward saved."""
     from transformer_engine.pytorch.cpp_extensions import general_gemm
     dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
@@ -104,7 +104,7 @@ def te_linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bo
 
 
 @te_linear_backward.register_fake
-def _(dy, saved, has_bias, fp8, scaling=-1, index=-1):
+def _(dy, saved, has_bias, fp8, scaling, index):
     k = saved[2].shape[0] if fp8 else saved[1].shape[1]
     n = dy.shape[-1]
     out = [dy.new_empty(*dy.shape[:-1], k), dy.new_empty(n, k)]

@@ -26,3 +26,22 @@ def test_te_delayed_scaling_rejects_custom_algorithms():
 
     with pytest.raises(NotImplementedError, match="amax_compute_algo"):
         executors.te.fp8(DelayedScaling()).for_model()
+
+
+@pytest.mark.parametrize("fp8, scaling, bias", [(False, -1, True), (False, -1, False), (True, -1, True), (True, 0, False)])
+def test_te_linear_ops_autograd_structure_on_fake_tensors(fp8, scaling, bias):
+    """The custom ops' autograd is checked with their fake kernels, which need no GPU: the backward
+    returns a gradient slot for every argument, also when the scaling arguments have simple values."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import executors.te_executor  # noqa: F401  (registers pipeline_te::linear)
+    with FakeTensorMode():
+        x = torch.randn(32, 16, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(48, 16, dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(48, dtype=torch.bfloat16, requires_grad=True) if bias else None
+        y = torch.ops.pipeline_te.linear(x, w, b, fp8, scaling, 0)[0]
+        assert y.shape == (32, 48)
+        y.sum().backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape
+        assert (b.grad.shape == b.shape) if bias else True
