@@ -53,15 +53,15 @@ class ModelTransformInputs(RuntimeWrapper):
         return rewritten, inputs
 
     def post_compile(self, fn):
-        plan = [None if q is None else list(self.replaced[q].tensors.values()) for q in self.qualnames]
+        plan = [None if q is None else self.replaced[q] for q in self.qualnames]
 
         def run(*args):
             flat = []
-            for a, tensors in zip(args, plan):
-                if tensors is None:
+            for a, r in zip(args, plan):
+                if r is None:
                     flat.append(a)
-                else:
-                    flat.extend(tensors)
+                else:  # read at each call: loading a checkpoint may swap the tensors
+                    flat.extend(r.tensors.values())
             return fn(*flat)
         return run
 

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -13,11 +15,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def session_pipeline_cache(tmp_path_factory):
+    """The compiled-artifact cache never writes to the user's home dir during tests (this covers
+    module-scoped fixtures, set up before the per-test folder below)."""
+    saved = {k: os.environ.get(k) for k in ("PIPELINE_CACHE_DIR", "PIPELINE_CACHE")}
+    os.environ["PIPELINE_CACHE_DIR"] = str(tmp_path_factory.mktemp("pipeline_cache"))
+    os.environ.pop("PIPELINE_CACHE", None)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(autouse=True)
 def private_pipeline_cache(tmp_path, monkeypatch):
-    """The compiled-artifact cache of each test is its own empty folder, never the user's home."""
+    """The compiled-artifact cache of each test is its own empty folder."""
     monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "pipeline_cache"))
-    monkeypatch.delenv("PIPELINE_CACHE", raising=False)
 
 
 @pytest.fixture(autouse=True)

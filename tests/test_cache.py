@@ -226,3 +226,21 @@ def test_model_transform_inputs_wrapper_rebuilds_from_its_metadata():
     rebuilt = ModelTransformInputs.from_metadata(wrapper.metadata(), cm._state.replaced)
     seen = rebuilt.post_compile(lambda *args: args)("w0", "b0", "x", "w2", "b2", "y")
     assert seen[:2] == tuple(cm._state.replaced["0.weight"].tensors.values()) and seen[2:4] == ("b0", "x")
+    cm._state.replaced["0.weight"].tensors = {"q": "new q", "scale": "new scale"}  # as a checkpoint load may
+    assert rebuilt.post_compile(lambda *args: args)("w0", "b0", "x", "w2", "b2", "y")[:2] == ("new q", "new scale")
+
+
+def test_graph_with_input_mutations_hits_and_writes_them_back(convbn):
+    """BatchNorm's running stats are input mutations: AOTAutograd's own wrappers, rebuilt on a hit,
+    still write them back."""
+    x = torch.randn(2, 3, 8, 8)
+    results = []
+    for _ in range(2):
+        model = copy.deepcopy(convbn)
+        cm, out, grads = compile_and_step(model, x)
+        results.append((out, grads, model.bn.running_mean.clone(), model.bn.running_var.clone()))
+    assert pipeline.compile_stats(cm).cache == {"g0": "hit"}
+    (out0, grads0, *stats0), (out1, grads1, *stats1) = results
+    assert torch.equal(out0, out1)
+    assert_identical(grads0, grads1)
+    assert_identical(stats0, stats1) and not torch.equal(stats0[0], torch.zeros(8))
