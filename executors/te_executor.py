@@ -258,7 +258,7 @@ def _linear_name(trace: Trace, node: fx.Node) -> str:
     """The qualified name of the linear's weight when it is a parameter (its fp8 state's name),
     else a name unique to this node."""
     w = node.args[1]
-    placeholders = [n for n in trace.module.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]  # the same order as trace.inputs
     if isinstance(w, fx.Node) and w.op == "placeholder" and w in placeholders:
         spec = trace.inputs[placeholders.index(w)]
         if getattr(spec, "qualname", None):

@@ -111,10 +111,10 @@ class DelayedScalingState:
 
     def update(self) -> None:
         """New scales from the amaxes recorded since the last update; clears the newest history row."""
-        import transformer_engine_torch as tex
         for stack in (self.forward, self.backward):
             if stack.history is None:
                 continue
+            import transformer_engine_torch as tex
             tex.fused_amax_and_scale_update_after_reduction(
                 stack.history[0].clone(), [stack.history], [stack.scale], self.recipe.amax_compute_algo,
                 te_dtype(stack.fmt), self.recipe.margin)

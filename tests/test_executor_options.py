@@ -45,3 +45,26 @@ def test_te_linear_ops_autograd_structure_on_fake_tensors(fp8, scaling, bias):
         y.sum().backward()
         assert x.grad.shape == x.shape and w.grad.shape == w.shape
         assert (b.grad.shape == b.shape) if bias else True
+
+
+def test_te_delayed_scaling_names_each_linears_state_after_its_weight(monkeypatch):
+    """The swap before autodiff registers every linear under its weight's qualified name, which
+    becomes the `<module>._extra_state.weight_fp8_*` keys of the state dict. TE itself needs a GPU, so
+    the call fails once the compiled code runs; the names are in place before that."""
+    import torch
+
+    import pipeline
+    from executors.te_executor import TEExecutor
+    from models import Llama, LlamaConfig
+
+    class DelayedScaling:
+        margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo = 0, 8, "max", None
+
+    monkeypatch.setattr(TEExecutor, "unavailable_reason", lambda self: None)
+    monkeypatch.setattr(TEExecutor, "_reject", lambda self, node: None)
+    model = Llama(LlamaConfig(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, hidden=64, max_seq=16))
+    cm = pipeline.jit(model.bfloat16(), executors=[TEExecutor().fp8(DelayedScaling()), "torch"])
+    with pytest.raises(Exception):
+        cm(torch.randint(0, 64, (2, 8)))
+    linears = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(cm._state.executors[0].scaling.names) == sorted(linears)
