@@ -216,6 +216,8 @@ class GraphCache:
                 return cls(graph_key(gm, example_inputs, state), record)
             except Uncacheable as e:
                 reason = str(e)
+            except Exception as e:  # the cache must never stop a compile
+                reason = f"no key ({type(e).__name__}: {e})"
         record.cache = f"off: {reason}"
         return None
 

@@ -1,7 +1,9 @@
 """The Dynamo backend: runs the stages for each captured graph.
 
-    capture (Dynamo) → before-autodiff passes → lowering + autodiff (AOTAutograd; joint passes run
-    before partitioning) → after-autodiff passes → dispatch to executors → runtime
+    capture (Dynamo) → runtime wrappers' pre_compile → before-autodiff passes → lowering + autodiff
+    (AOTAutograd; joint passes run before partitioning) → after-autodiff passes → dispatch to
+    executors (regions found in the compiled-artifact cache are loaded, not compiled) → runtime
+    wrappers' post_compile
 
 Every stage's output is an `ir.Trace`, kept in the graph's `GraphRecord`. A graph whose lowering
 fails runs in eager (the Dynamo graph as captured) with the reason recorded.

@@ -116,23 +116,24 @@ WARM = textwrap.dedent("""
     import pipeline
     from conftest import MLP
     torch.manual_seed(0)
-    model, x = MLP(), torch.randn(4, 16)
+    model, x = MLP().to(sys.argv[1]), torch.randn(4, 16, device=sys.argv[1])
     cm = pipeline.jit(model, executors=["inductor"])
     out = cm(x)
     out.sum().backward()
     stats = pipeline.compile_stats(cm)
     print(json.dumps({"cache": stats.cache, "compiled": [k for k in stats.seconds if k.startswith("compile:")],
-                      "values": [t.detach().flatten().tolist() for t in [out, *(p.grad for p in model.parameters())]]}))
+                      "values": [t.detach().cpu().flatten().tolist() for t in [out, *(p.grad for p in model.parameters())]]}))
 """)
 
 
-def test_inductor_warm_process_with_empty_inductor_cache_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_inductor_warm_process_with_empty_inductor_cache_is_bit_identical(tmp_path, device):
     """A second process finds the entry and loads Inductor's kernels from it, compiling nothing."""
     env = {**os.environ, "PIPELINE_CACHE_DIR": str(tmp_path / "cache")}
     runs = []
     for name in ("cold", "warm"):
         env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / f"inductor-{name}")
-        done = subprocess.run([sys.executable, "-c", WARM], cwd=ROOT, env=env, text=True,
+        done = subprocess.run([sys.executable, "-c", WARM, device], cwd=ROOT, env=env, text=True,
                               capture_output=True, timeout=400)
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
