@@ -66,7 +66,9 @@ class InductorExecutor(Executor):
     # -- the compiled-artifact cache -------------------------------------------------------------
     def cache_token(self) -> str:
         from torch._inductor import config
-        return f"inductor fallback_random={self.fallback_random} config={config.get_hash().hex()}"
+        # Deterministic mode changes Inductor's lowerings (no atomic adds in index_put, say).
+        return (f"inductor fallback_random={self.fallback_random} config={config.get_hash().hex()} "
+                f"deterministic={torch.are_deterministic_algorithms_enabled()}")
 
     def artifact_unsupported_reason(self, gm, example_inputs) -> str | None:
         if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not _is_static(v))
