@@ -66,9 +66,13 @@ class InductorExecutor(Executor):
     # -- the compiled-artifact cache -------------------------------------------------------------
     def cache_token(self) -> str:
         from torch._inductor import config
-        # Deterministic mode changes Inductor's lowerings (no atomic adds in index_put, say).
+        # Global flags Inductor bakes into kernels, as its own FX graph cache keys them: deterministic
+        # mode (no atomic adds in index_put, say) and the matmul precision settings.
+        matmul = torch.backends.cuda.matmul
         return (f"inductor fallback_random={self.fallback_random} config={config.get_hash().hex()} "
-                f"deterministic={torch.are_deterministic_algorithms_enabled()}")
+                f"deterministic={torch.are_deterministic_algorithms_enabled()} "
+                f"matmul={torch.get_float32_matmul_precision()},{matmul.allow_tf32},"
+                f"{matmul.allow_fp16_reduced_precision_reduction},{matmul.allow_bf16_reduced_precision_reduction}")
 
     def artifact_unsupported_reason(self, gm, example_inputs) -> str | None:
         if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not _is_static(v))
