@@ -85,9 +85,11 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
                 inputs.append(fake)  # static: lowering must not give these sizes symbols
         plan.append(r)
         rebuild.append((node, r, new))
-    first_op = next(n for n in graph.nodes if n.op != "placeholder")
-    for node, r, new in rebuild:
-        with graph.inserting_before(first_op):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node, r, new in rebuild:  # right before the first use: a gathered parameter lives only while used
+        first_use = min(node.users, key=order.__getitem__, default=None) or next(
+            n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first_use):
             value = r.transform.rebuild(graph, new, node_value(node))
         node.replace_all_uses_with(value)
         graph.erase_node(node)

@@ -98,6 +98,7 @@ def fsdp_results(tmp_path_factory):
 
 def test_fsdp_training_matches_single_process_eager(fsdp_results):
     losses, state = eager_run()
+    assert set(fsdp_results[0]["state"]) == set(state)  # nothing dropped, nothing added
     for a, b in zip(fsdp_results[0]["losses"], losses):
         assert abs(a - b) <= 1e-5 * abs(b)
     # fp32 tolerance for 10 AdamW steps: the two ranks' gradient sums round differently from one

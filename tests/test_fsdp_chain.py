@@ -133,3 +133,5 @@ def test_a_chain_encodes_and_decodes_through_both_transforms():
         assert torch.equal(rows["scale"], whole["scale"][start:stop])
         for suffix, value in c.from_rows(rows, weight).items():
             assert torch.equal(value, tensors[suffix]), suffix
+        for suffix, value in c.encode_slices(weight, weight).items():  # a tensor slices like a file
+            assert torch.equal(value, tensors[suffix]), suffix

@@ -64,6 +64,14 @@ def test_state_dict_round_trip_is_bit_identical(llama_and_tokens):
         assert torch.equal(param, before[name]), name
 
 
+def test_state_dict_keys_are_the_originals_plus_one_scale_per_linear(llama_and_tokens):
+    model, _ = llama_and_tokens
+    original = set(model.state_dict())
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    assert set(cm.state_dict()) == original | {f"{name}._extra_state.weight_scale" for name in linears}
+
+
 def test_an_eager_model_loads_the_quantized_state_dict(llama_and_tokens):
     model, tokens = llama_and_tokens
     eager = copy.deepcopy(model)
