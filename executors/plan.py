@@ -111,15 +111,14 @@ def region_key(source: fx.GraphModule, order: Sequence[Executor]) -> str:
     parts = [source.code, *(e.cache_token() for e in order)]
     for node in source.graph.nodes:
         if node.op == "placeholder":
-            parts.append(_value_signature(node_value(node)))
+            parts.append(value_signature(node_value(node)))
         elif node.op == "get_attr":
             value = getattr(source, node.target)
-            parts.append(_value_signature(value))
+            parts.append(value_signature(value))
             if isinstance(value, torch.Tensor):
-                parts.append(hashlib.sha256(value.detach().cpu().contiguous().view(-1).view(torch.uint8)
-                                            .numpy().tobytes()).hexdigest())
+                parts.append(tensor_digest(value))
         elif node.op == "output":
-            parts += [_value_signature(node_value(a)) if isinstance(a, fx.Node) else repr(a)
+            parts += [value_signature(node_value(a)) if isinstance(a, fx.Node) else repr(a)
                       for a in node.args[0]]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
@@ -132,11 +131,17 @@ def _try_region_key(source, order, region: Region, notes) -> Optional[str]:
         return None
 
 
-def _value_signature(v) -> str:
+def value_signature(v) -> str:
+    """A tensor's metadata (or a value's type and text) as it enters a cache key."""
     if isinstance(v, torch.Tensor):
         return (f"{v.dtype} {v.device} {tuple(v.shape)} {tuple(v.stride())} {v.storage_offset()} "
-                f"{v.requires_grad} {v.layout}")
+                f"grad={v.requires_grad} {v.layout} {type(v).__name__}")
     return f"{type(v).__name__} {v}"
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """A hash of a tensor's bytes (a constant baked into compiled code)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _load_cached(artifact: Optional[RegionArtifact], source, region: Region, by_name, notes) -> Optional[Callable]:

@@ -25,11 +25,11 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from executors.plan import RegionArtifact
+from executors.plan import RegionArtifact, tensor_digest, value_signature
 
 FORMAT = 1
 MAGIC = b"fxpipeline-cache 1\n"
@@ -76,13 +76,6 @@ def graph_key(gm, example_inputs, state) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def value_signature(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        return (f"{v.dtype} {v.device} {tuple(v.shape)} {tuple(v.stride())} {v.storage_offset()} "
-                f"grad={v.requires_grad} {v.layout} {type(v).__name__}")
-    return f"{type(v).__name__} {v}"
-
-
 def pass_identity(p) -> str:
     """A pass's qualified name, where it runs, and a hash of its source and closure."""
     if getattr(p, "cacheable", True) is False or getattr(p.fn, "cacheable", True) is False:
@@ -120,7 +113,8 @@ def stable_repr(value, name: str = "?", depth: int = 0) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {stable_repr(v, name, depth + 1)}" for k, v in sorted(value.items(), key=repr)) + "}"
     if isinstance(value, torch.Tensor):
-        return value_signature(value) + " " + _tensor_digest(value)
+        small = value.device.type != "meta" and value.numel() <= 1 << 16
+        return value_signature(value) + " " + (tensor_digest(value) if small else "(values not hashed)")
     if inspect.isfunction(value) or inspect.ismethod(value):
         return function_identity(value, name, depth + 1)
     if hasattr(value, "fn") and hasattr(value, "runs_on"):  # a TracePass
@@ -133,12 +127,6 @@ def stable_repr(value, name: str = "?", depth: int = 0) -> str:
     if " at 0x" in text:
         raise Uncacheable(f"pass {name!r}: {type(value).__name__} in its closure has no stable identity")
     return text
-
-
-def _tensor_digest(t: torch.Tensor) -> str:
-    if t.device.type == "meta" or t.numel() > 1 << 16:
-        return "(values not hashed)"
-    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _cell_filled(cell) -> bool:
