@@ -37,6 +37,16 @@ class InductorExecutor(Executor):
         default (False, as in torch.compile) generates them in Inductor's own kernels."""
         return InductorExecutor(fallback_random=fallback_random)
 
+    def for_model(self) -> "InductorExecutor":
+        """Starts Inductor's parallel compile workers now, as torch.compile's backend does on entry:
+        they take seconds to start, and kernels compile serially in this process until they are up."""
+        try:
+            from torch._inductor.async_compile import maybe_warm_pool
+            maybe_warm_pool()
+        except Exception:  # an optimisation only: without workers, kernels compile in-process
+            pass
+        return self
+
     def unavailable_reason(self) -> str | None:
         try:
             import torch._inductor.compile_fx  # noqa: F401
