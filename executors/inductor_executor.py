@@ -132,7 +132,11 @@ class InductorRegion:
         self.restride = _mismatched_strides(gm, _static_strides(getattr(compiled, "output_strides", None)))
 
     def __call__(self, *args):
-        outs = list(self.compiled(list(args)))
+        return self.boxed(list(args))
+
+    def boxed(self, args: list) -> tuple:
+        """Inductor's own calling convention: it empties `args` and frees each input after its last use."""
+        outs = list(self.compiled(args))
         for i, stride in self.restride:
             outs[i] = restrided(outs[i], stride)
         return tuple(outs)

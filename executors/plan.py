@@ -47,6 +47,20 @@ class CompiledRegion(torch.nn.Module):
                 return self.fn(*args)
         return self.fn(*args)
 
+    def call_boxed(self, args: list):
+        """Runs the region on an argument list that it empties. When the executor's callable has a
+        boxed entry (`fn.boxed(list)`, as Inductor's has), nothing else holds the inputs while the
+        region runs, so each is freed after its last use inside the region."""
+        run = getattr(self.fn, "boxed", None)
+        if run is None:
+            held = tuple(args)
+            args.clear()
+            return self.forward(*held)
+        if CompiledRegion.profiling:
+            with torch.profiler.record_function(self.label):
+                return run(args)
+        return run(args)
+
     def extra_repr(self) -> str:
         return f"{self.region.executor}, {self.region.op_count} ops"
 

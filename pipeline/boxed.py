@@ -11,6 +11,9 @@ import torch.fx as fx
 
 def boxed(gm: fx.GraphModule):
     """A function `fn(args: list)` running `gm` that clears `args` once it has read it."""
+    single = _single_region(gm)
+    if single is not None:
+        return single
     graph = fx.Graph()
     args_list = graph.placeholder("args_list")
     value_map: dict[fx.Node, fx.Node] = {}
@@ -27,4 +30,49 @@ def boxed(gm: fx.GraphModule):
     def run(args):
         return fn(args)
     run._boxed_call = True  # AOTAutograd's marker for this convention
+    return run
+
+
+def _single_region(gm: fx.GraphModule):
+    """For a stage that is one region (placeholders -> one region call -> its outputs), a runner that
+    hands the argument list straight to the region: no frame of ours holds the inputs while it runs,
+    so a region that frees its inputs early (Inductor's) can free the saved activations during the
+    backward, as under torch.compile. None for any other shape of graph."""
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    calls = [n for n in nodes if n.op == "call_module"]
+    rest = [n for n in nodes if n.op not in ("placeholder", "call_module", "output")]
+    if len(calls) != 1 or any(n.target is not operator.getitem or n.args[0] is not calls[0] for n in rest):
+        return None
+    region = gm.get_submodule(calls[0].target)
+    if not hasattr(region, "call_boxed") or calls[0].kwargs:
+        return None
+    position = {n: i for i, n in enumerate(placeholders)}
+
+    def source(a):  # ("input", index) | ("output", index) | ("constant", value)
+        if isinstance(a, fx.Node):
+            if a in position:
+                return ("input", position[a])
+            if a.op == "call_function":
+                return ("output", a.args[1])
+            return None
+        return ("constant", a)
+
+    ins = [source(a) for a in calls[0].args]
+    out_node = nodes[-1].args[0]
+    if not isinstance(out_node, (tuple, list)):
+        return None
+    outs = [source(a) for a in out_node]
+    if any(s is None or s[0] == "output" for s in ins) or any(s is None for s in outs):
+        return None
+    kept = [s[1] for s in outs if s[0] == "input"]  # inputs that are also outputs
+
+    def run(args):
+        region_args = [args[i] if kind == "input" else i for kind, i in ins]
+        passed = {i: args[i] for i in kept}
+        args.clear()
+        results = region.call_boxed(region_args)
+        return tuple(results[i] if kind == "output" else passed[i] if kind == "input" else i
+                     for kind, i in outs)
+    run._boxed_call = True
     return run
