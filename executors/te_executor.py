@@ -131,10 +131,18 @@ class TEExecutor(Executor):
     name = "te"
     kind = "operator"
 
-    def __init__(self, fp8: bool = False, recipe=None):
+    def __init__(self, fp8: bool = False, recipe=None, group_linears: bool = False):
         self.use_fp8 = fp8
         self.recipe = recipe
+        self.group_linears = group_linears
         self.scaling: DelayedScalingState | None = None  # per jitted model, see for_model
+
+    def options(self, *, group_linears: bool = False) -> "TEExecutor":
+        """This executor with options. `group_linears=True`: linears reading the same input (q/k/v,
+        gate/up) become one TE GEMM on their stacked weights (`transforms.group_linears`), so the
+        input is cast to fp8 once per group; grouped linears share one fp8 scaling state, saved
+        under the first member's module."""
+        return TEExecutor(fp8=self.use_fp8, recipe=self.recipe, group_linears=group_linears)
 
     def fp8(self, recipe=None) -> "TEExecutor":
         """The fp8 variant. `recipe`: None or `Float8CurrentScaling()` (current scaling), or
@@ -146,13 +154,14 @@ class TEExecutor(Executor):
                             f"DelayedScaling(...) or Float8CurrentScaling(), or None for current scaling")
         if recipe is not None:
             recipe_formats(recipe)  # rejects formats the ops do not implement
-        return TEExecutor(fp8=True, recipe=recipe if kind == "DelayedScaling" else None)
+        return TEExecutor(fp8=True, recipe=recipe if kind == "DelayedScaling" else None,
+                          group_linears=self.group_linears)
 
     def for_model(self) -> "TEExecutor":
         """Delayed scaling keeps state per jitted model: each model gets its own copy."""
         if self.recipe is None:
             return self
-        copy = TEExecutor(fp8=True, recipe=self.recipe)
+        copy = TEExecutor(fp8=True, recipe=self.recipe, group_linears=self.group_linears)
         copy.scaling = DelayedScalingState(self.recipe)
         return copy
 
@@ -207,6 +216,9 @@ class TEExecutor(Executor):
     def prepare(self, trace: Trace) -> tuple[Trace, list[tuple[str, str]]]:
         """Swaps each linear TE can take for `pipeline_te::linear` (before autodiff); returns the new
         trace and (op, reason) for the linears it left alone."""
+        if self.group_linears:
+            from transforms.group_linears import group_linears_in
+            trace = group_linears_in(trace)
         gm = trace.editable()
         notes = []
         for node in list(gm.graph.nodes):
@@ -258,6 +270,8 @@ def _linear_name(trace: Trace, node: fx.Node) -> str:
     """The qualified name of the linear's weight when it is a parameter (its fp8 state's name),
     else a name unique to this node."""
     w = node.args[1]
+    if isinstance(w, fx.Node) and w.target is torch.cat:  # grouped linears: named after the first
+        w = w.args[0][0]
     placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]  # the same order as trace.inputs
     if isinstance(w, fx.Node) and w.op == "placeholder" and w in placeholders:
         spec = trace.inputs[placeholders.index(w)]

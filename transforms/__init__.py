@@ -4,10 +4,11 @@ from .chain import Chain, chain
 from .checkpoint import checkpoint
 from .cpu_offload import cpu_offload
 from .fsdp import FSDP, fsdp
+from .group_linears import group_linears
 from .materialize import Materialize, materialize
 from .mixed_precision import mixed_precision
 from .model_transform import ModelTransform
 from .quantize import quantize
 
-__all__ = ["TracePass", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload",
+__all__ = ["TracePass", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload", "group_linears",
            "ModelTransform", "chain", "Chain", "quantize", "materialize", "Materialize", "fsdp", "FSDP"]

@@ -1,0 +1,96 @@
+"""group_linears: linears on the same input become one linear on stacked weights (fewer, larger GEMMs)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeline
+from models import Llama, LlamaConfig
+from transforms import group_linears
+from transforms.group_linears import LINEARS
+
+CONFIG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, max_seq=16)
+
+
+def linear_count(trace):
+    return sum(1 for n in trace.module.graph.nodes if n.op == "call_function" and n.target in LINEARS)
+
+
+def grouped_trace(cm):
+    return next(t for t in pipeline.last_traces(cm) if t.provenance[-1].name == "group_linears")
+
+
+def test_llama_qkv_and_gate_up_become_one_linear_each_and_train_like_eager():
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    eager = copy.deepcopy(model)
+    tokens = torch.randint(0, CONFIG.vocab, (2, 16))
+    cm = pipeline.jit(model, executors=["torch"], transforms=[group_linears()])
+    out, ref = cm(tokens), eager(tokens)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # per layer: q, k, v -> 1 and gate, up -> 1; wo, down and the head stay: 2 * 7 + 1 = 15 -> 2 * 4 + 1
+    captured = next(t for t in pipeline.last_traces(cm) if t.name.endswith("_captured"))
+    assert linear_count(captured) == 15 and linear_count(grouped_trace(cm)) == 9
+
+
+class ThreeHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6)
+        self.c = torch.nn.Linear(8, 5, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(3, 8))
+
+    def forward(self, x):
+        y = self.a(x) + self.b(x)[..., :4]
+        c = self.c(x)
+        late = F.linear(x, self.scale * 2)      # no bias like c, but its weight is computed after c
+        return y, c, late
+
+
+def test_only_linears_with_matching_bias_and_ready_weights_are_grouped():
+    torch.manual_seed(0)
+    model = ThreeHeads()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[group_linears()])
+    for got, want in zip(cm(x), eager(x)):
+        torch.testing.assert_close(got, want)
+    # a + b (both with bias) join; c (no bias) and `late` (weight computed later) stay alone
+    assert linear_count(grouped_trace(cm)) == 3
+
+
+def test_no_group_leaves_the_trace_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    cm = pipeline.jit(model, executors=["torch"], transforms=[group_linears()])
+    cm(torch.randn(2, 8))
+    captured = next(t for t in pipeline.last_traces(cm) if t.name.endswith("_captured"))
+    assert grouped_trace(cm).module is captured.module  # the pass returned its input
+
+
+def test_te_groups_linears_when_asked_and_names_the_state_after_the_first(monkeypatch):
+    """With TE's `group_linears` option each group is one `pipeline_te::linear` (checked on the CPU
+    up to where TE itself would run)."""
+    from executors.te_executor import TEExecutor
+
+    class DelayedScaling:
+        margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo = 0, 8, "max", None
+
+    monkeypatch.setattr(TEExecutor, "unavailable_reason", lambda self: None)
+    monkeypatch.setattr(TEExecutor, "_reject", lambda self, node: None)
+    model = Llama(CONFIG).bfloat16()
+    te = TEExecutor().fp8(DelayedScaling()).options(group_linears=True)
+    assert te.use_fp8 and te.recipe is not None and te.group_linears
+    cm = pipeline.jit(model, executors=[te, "torch"])
+    with pytest.raises(Exception):  # TE's kernels need a GPU
+        cm(torch.randint(0, CONFIG.vocab, (2, 16)))
+    te_ops = [n for t in pipeline.last_traces(cm) if t.name == "g0_forward"
+              for n in t.module.graph.nodes if n.target is torch.ops.pipeline_te.linear.default]
+    assert len(te_ops) == 9
+    names = sorted(cm._state.executors[0].scaling.names)
+    assert names == sorted([f"layers.{i}.{m}.weight" for i in range(2)
+                            for m in ("attn.wq", "attn.wo", "mlp.w1", "mlp.w2")] + ["head.weight"])

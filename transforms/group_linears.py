@@ -1,0 +1,98 @@
+"""`group_linears()`: linears that read the same input become one linear on their stacked weights.
+
+The q/k/v projections of attention and SwiGLU's gate/up projections read the same normalized
+activations. One GEMM with the weights stacked along N replaces each group: fewer and larger GEMMs
+(the narrow k/v projections are the least efficient ones), fewer kernel launches, and, with fp8
+(the `te` executor), one cast of the shared input instead of one per linear. The weights are
+concatenated in the trace on every call (a copy of the group's weights; autodiff splits the gradient
+back) and the output is split along its last dim, so results equal the separate linears up to GEMM
+rounding. Runs before autodiff, on the torch-level trace; with `te` listed, ask TE for it instead
+(`te.options(group_linears=True)`), since TE swaps the linears before the passes run.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ir import Trace, fake_like, node_value
+
+from .base import TracePass
+
+LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def group_linears() -> TracePass:
+    """The pass (before autodiff). See the module docstring."""
+    return TracePass(group_linears_in, runs_on="before_autodiff", name="group_linears")
+
+
+def group_linears_in(trace: Trace) -> Trace:
+    """`trace` with every group of 2+ linears on the same input (same weight dtype, all with or all
+    without bias) computed as one linear; `trace` itself if there is none."""
+    gm = trace.editable()
+    groups = _groups(gm.graph)
+    if not groups:
+        return trace
+    for group in groups:
+        _join(gm.graph, group)
+    gm.graph.lint()
+    gm.recompile()
+    return trace.derive(gm, by="group_linears")
+
+
+def _parts(node: fx.Node):
+    """(x, weight, bias) of a linear node."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return args[0], args[1], node.kwargs.get("bias", args[2])
+
+
+def _groups(graph: fx.Graph) -> list[list[fx.Node]]:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_key: dict[tuple, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in LINEARS:
+            continue
+        x, w, b = _parts(node)
+        wv, xv = node_value(w), node_value(x)
+        if not (isinstance(x, fx.Node) and isinstance(w, fx.Node) and isinstance(wv, torch.Tensor)
+                and isinstance(xv, torch.Tensor) and wv.dim() == 2 and isinstance(wv.shape[0], int)):
+            continue
+        by_key.setdefault((x, wv.dtype, wv.device, b is None), []).append(node)
+    groups = []
+    for nodes in by_key.values():
+        first = min(order[n] for n in nodes)
+        # the stacked weight is built before the group's first linear: its weights must exist there
+        ready = [n for n in nodes if all(not isinstance(a, fx.Node) or order[a] < first for a in _parts(n)[1:])]
+        if len(ready) >= 2:
+            groups.append(ready)
+    return groups
+
+
+def _join(graph: fx.Graph, group: list[fx.Node]) -> None:
+    x, _, bias = _parts(group[0])
+    weights = [_parts(n)[1] for n in group]
+    widths = [node_value(w).shape[0] for w in weights]
+    y0, w0 = node_value(group[0]), node_value(weights[0])
+    with graph.inserting_before(group[0]):
+        stacked = _call(graph, torch.cat, (weights, 0), fake_like(w0, (sum(widths), w0.shape[1])))
+        b = None
+        if bias is not None:
+            b0 = node_value(bias)
+            b = _call(graph, torch.cat, ([_parts(n)[2] for n in group], 0), fake_like(b0, (sum(widths),)))
+        y = _call(graph, torch._C._nn.linear, (x, stacked, b), fake_like(y0, (*y0.shape[:-1], sum(widths))))
+        yv = node_value(y)
+        pieces = [fake_like(y0, (*y0.shape[:-1], n), stride=yv.stride()) for n in widths]
+        split = _call(graph, torch.split, (y, widths, -1), tuple(pieces))
+        for i, node in enumerate(group):
+            piece = _call(graph, operator.getitem, (split, i), pieces[i])
+            node.replace_all_uses_with(piece)
+    for node in group:
+        graph.erase_node(node)
+
+
+def _call(graph: fx.Graph, target, args, value) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = node.meta["example_value"] = value
+    return node
