@@ -45,7 +45,8 @@ class WithLoss(torch.nn.Module):
 
 ROWS = ["eager", "torch.compile", "pipeline.jit [inductor]", "pipeline.jit [nvfuser, inductor]",
         "pipeline.jit [te, nvfuser, inductor] bf16", "pipeline.jit [te fp8 current, nvfuser, inductor]",
-        "pipeline.jit [te fp8 delayed, nvfuser, inductor]", "pipeline.jit [te fp8 delayed, inductor]"]
+        "pipeline.jit [te fp8 delayed, nvfuser, inductor]", "pipeline.jit [te fp8 delayed, inductor]",
+        "pipeline.jit [te grouped, inductor] bf16", "pipeline.jit [te fp8 delayed grouped, inductor]"]
 
 
 def executors_of(name):
@@ -58,12 +59,15 @@ def executors_of(name):
     listed = name[name.index("[") + 1:name.index("]")].split(", ")
     out = []
     for item in listed:
-        if item.startswith("te fp8"):
-            recipe = None
-            if item.endswith("delayed"):
-                from transformer_engine.common.recipe import DelayedScaling
-                recipe = DelayedScaling()
-            out.append(executors.te.fp8(recipe))
+        if item.startswith("te"):  # te [fp8 current|delayed] [grouped]
+            te = executors.te
+            if "fp8" in item:
+                recipe = None
+                if "delayed" in item:
+                    from transformer_engine.common.recipe import DelayedScaling
+                    recipe = DelayedScaling()
+                te = te.fp8(recipe)
+            out.append(te.options(group_linears="grouped" in item))
         else:
             out.append(item)
     return out
