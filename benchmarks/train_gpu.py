@@ -111,6 +111,9 @@ def run_row(name, how, config, batches, profile=False):
     if how not in (None, "compile"):
         table = pipeline.regions(step_fn)
         extra["ops_by_executor"] = table.by_executor()
+        extra["regions_by_executor"] = dict(collections.Counter(r.executor for r in table))
+        # where the first step's compile time went: capture, lower, passes, dispatch, compile:<executor>
+        extra["compile_seconds"] = {k: round(v, 1) for k, v in pipeline.compile_stats(step_fn).seconds.items()}
         extra["fp8_gemm_flop_share"] = table.fp8_gemm_flop_share()
         if profile:
             extra.update(gpu_time_by_executor(step_fn, batches[0]))
