@@ -68,3 +68,24 @@ def test_te_delayed_scaling_names_each_linears_state_after_its_weight(monkeypatc
         cm(torch.randint(0, 64, (2, 8)))
     linears = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert sorted(cm._state.executors[0].scaling.names) == sorted(linears)
+
+
+def test_te_regions_call_the_ops_implementation_directly():
+    """After AOTAutograd a TE region needs no dispatcher (no autograd, no aliasing checks): its
+    compiled graph calls the Python implementation; the region's own graph is left as it was."""
+    import operator
+
+    import torch
+    import torch.fx as fx
+
+    import executors.te_executor as te
+
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    call = graph.call_function(torch.ops.pipeline_te.linear.default, (x, w, None, False, -1, -1))
+    graph.output((graph.call_function(operator.getitem, (call, 0)),))
+    region = fx.GraphModule(torch.nn.Module(), graph)
+    compiled = te.TEExecutor().compile_region(region, [])
+    targets = [n.target for n in compiled.__self__.graph.nodes if n.op == "call_function"]
+    assert te._linear in targets and torch.ops.pipeline_te.linear.default not in targets
+    assert call.target is torch.ops.pipeline_te.linear.default
