@@ -11,6 +11,7 @@ graph stays a pure function of its inputs as far as the compiler can see.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 
@@ -25,8 +26,10 @@ def te_dtype(name: str):
     return tex.DType.kFloat8E4M3 if name == "e4m3" else tex.DType.kFloat8E5M2
 
 
+@functools.cache
 def current_quantizer(name: str):
-    """A quantizer that measures the amax of what it casts (current scaling)."""
+    """A quantizer that measures the amax of what it casts (current scaling). It keeps no state (TE
+    allocates each output's scale), so one per format serves every linear."""
     from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
     q = Float8CurrentScalingQuantizer(te_dtype(name), torch.device("cuda"), rowwise=True, columnwise=True)
     q.internal = True
@@ -50,6 +53,7 @@ class _Stack:
         self.per_linear, self.fmt = per_linear, fmt
         self.history: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
+        self.quantizers: dict[int, object] = {}  # column -> quantizer on views of the buffers above
 
     def ensure(self, n_linears: int, history_len: int, device) -> None:
         n = n_linears * self.per_linear
@@ -62,12 +66,16 @@ class _Stack:
             history[:, :old] = self.history
             scale[:old] = self.scale
         self.history, self.scale = history, scale
+        self.quantizers.clear()
 
     def quantizer(self, column: int):
-        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
-        q = Float8Quantizer(self.scale[column], self.history[0][column].reshape(1), te_dtype(self.fmt),
-                            rowwise=True, columnwise=True)
-        q.internal = True
+        q = self.quantizers.get(column)
+        if q is None:
+            from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+            q = Float8Quantizer(self.scale[column], self.history[0][column].reshape(1), te_dtype(self.fmt),
+                                rowwise=True, columnwise=True)
+            q.internal = True
+            self.quantizers[column] = q
         return q
 
 
