@@ -3,7 +3,7 @@
 `from executors import te, nvfuser, inductor, torch` gives executor objects (the modules implementing them are
 named `*_executor`, so importing a submodule never shadows these names).
 """
-from .base import Executor
+from .base import Executor, RegionDeclined
 from .torch_executor import torch_executor as torch
 from .inductor_executor import inductor_executor as inductor
 from .nvfuser_executor import nvfuser_executor as nvfuser
@@ -11,5 +11,5 @@ from .te_executor import te_executor as te
 from .plan import CompiledRegion, Execution, dispatch
 from .registry import known_executors, resolve
 
-__all__ = ["Executor", "torch", "inductor", "nvfuser", "te", "dispatch", "Execution", "CompiledRegion", "resolve",
+__all__ = ["Executor", "RegionDeclined", "torch", "inductor", "nvfuser", "te", "dispatch", "Execution", "CompiledRegion", "resolve",
            "known_executors"]

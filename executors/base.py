@@ -14,6 +14,11 @@ import torch.fx as fx
 RegionFn = Callable[..., tuple]
 
 
+class RegionDeclined(Exception):
+    """Raised by `compile_region` when an executor chooses not to take a region (not an error):
+    the region goes to the next executor that claims it, with the message as the reason."""
+
+
 class Executor:
     """Base class of executors. Subclasses set `name`, `kind`, and override `claims_op`,
     `compile_region` and, when they need something installed, `unavailable_reason`."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import operator
 import os
 import pickle
 import shutil
@@ -21,7 +22,7 @@ import torch.fx as fx
 
 from ir import node_value
 
-from .base import Executor, is_symbolic_glue, restrided, static_stride
+from .base import Executor, RegionDeclined, is_symbolic_glue, restrided, static_stride
 
 
 class InductorExecutor(Executor):
@@ -62,6 +63,9 @@ class InductorExecutor(Executor):
         return op in _lowerings() or op in _decompositions(self.fallback_random)
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
+        reason = _nothing_to_fuse(gm)
+        if reason:
+            raise RegionDeclined(reason)
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx_inner
 
@@ -175,6 +179,39 @@ def _isa_probe_libraries() -> set[str]:
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+def _library_ops():
+    """Ops Inductor runs as calls into library kernels (cuBLAS, cuDNN, flash attention) when it
+    does not autotune its own templates: a region of only these and views gains nothing from it."""
+    aten = torch.ops.aten
+    names = ["mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"]
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+_VIEW_LIKE = (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
+
+
+def _nothing_to_fuse(gm: fx.GraphModule) -> str | None:
+    """Why Inductor would add nothing but compile time to this region (it holds only library
+    kernels and views), or None. Under max-autotune Inductor may pick its own GEMM templates."""
+    from torch._inductor import config
+    if config.max_autotune or config.max_autotune_gemm:
+        return None
+    library = _library_ops()
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    for op in ops:
+        if op in library or op is operator.getitem or is_symbolic_glue(op):
+            continue
+        if isinstance(op, torch._ops.OpOverload) and (op.is_view or op in _VIEW_LIKE):
+            continue
+        return None
+    names = sorted({getattr(op, "_opname", getattr(op, "__name__", str(op))) for op in ops if op in library})
+    return f"nothing to fuse (only library kernels {', '.join(names) or 'none'} and views); eager runs the same kernels"
 
 
 def _static_strides(strides):

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ir import Region, Trace, describe_value, node_value
 
-from .base import Executor
+from .base import Executor, RegionDeclined
 from .dispatch import Assignment, assign
 from .partition import partition
 from .torch_executor import torch_executor
@@ -200,6 +200,9 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback) -> 
         start = time.perf_counter()
         try:
             fn = _compile_isolated(ex, source, example_inputs)
+        except RegionDeclined as e:
+            reasons.append(f"{ex.name} declined: {e}")
+            continue
         except Exception as e:  # a region an executor cannot compile runs on the next one
             reasons.append(f"{ex.name} failed to compile: {type(e).__name__}: {str(e).strip()[:300]}")
             continue

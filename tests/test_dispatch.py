@@ -115,7 +115,7 @@ def test_failed_region_with_no_other_claimant_runs_on_torch():
 
 
 def mlp_fn(x, w1, w2):
-    return F.gelu(x @ w1) @ w2
+    return (F.gelu(x @ w1) @ w2).sum(-1)
 
 
 @pytest.mark.inductor
@@ -125,8 +125,9 @@ def test_pointwise_executor_next_to_inductor_splits_regions_as_expected():
     args = torch.randn(4, 8), torch.randn(8, 16), torch.randn(16, 8)
     with torch.no_grad():
         torch.testing.assert_close(cf(*args), mlp_fn(*args))
+    # a lone matmul gains nothing from Inductor (declined: torch runs it); the matmul with the sum does
     assert [(r.executor, r.ops) for r in pipeline.regions(cf)] == [
-        ("inductor", ["mm"]), ("pointwise", ["gelu"]), ("inductor", ["mm"])]
+        ("torch", ["mm"]), ("pointwise", ["gelu"]), ("inductor", ["mm", "sum"])]
 
 
 def test_a_one_region_stage_lets_the_region_free_saved_activations():
@@ -167,3 +168,34 @@ def test_a_one_region_stage_lets_the_region_free_saved_activations():
     assert freed[1] >= 1                      # backward: the saved tanh output died inside the region
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_inductor_declines_regions_with_nothing_to_fuse():
+    """A region of only library kernels (matmuls, attention) and views gains nothing from Inductor
+    but its compile time: Inductor declines it, it runs on `torch`, and the table says why."""
+    class Pointwise(Executor):
+        name, kind = "pointwise", "fusion"
+
+        def claims_op(self, op, node):
+            return torch.Tag.pointwise in getattr(op, "tags", ())
+
+        def compile_region(self, gm, example_inputs):
+            return gm.forward
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Tanh(), torch.nn.Linear(16, 4, bias=False))
+    eager = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    cm = pipeline.jit(model, executors=[Pointwise(), "inductor"])
+    out = cm(x)
+    out.sum().backward()
+    ref = eager(x)
+    ref.sum().backward()
+    assert torch.equal(out, ref)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    table = pipeline.regions(cm)
+    matmuls = [r for r in table if "mm" in r.ops]
+    assert matmuls and all(r.executor == "torch" and "inductor declined: nothing to fuse" in r.fallback_reason
+                           for r in matmuls)
+    assert {r.executor for r in table} == {"pointwise", "torch"}
