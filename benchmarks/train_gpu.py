@@ -3,7 +3,8 @@ for every row — eager, torch.compile, and pipeline.jit with several executor l
 
     python benchmarks/train_gpu.py                 # the full config (H200: a few minutes)
     python benchmarks/train_gpu.py --layers 2      # a quick look
-    python benchmarks/train_gpu.py --profile       # + GPU time per executor for the pipeline rows
+    python benchmarks/train_gpu.py --profile       # + GPU time per executor and the top kernels
+    python benchmarks/train_gpu.py --device cpu --layers 1 --batch 1 --seq 32 --steps 6   # smoke test
 
 Each row runs in its own process (clean peak memory, no state shared between rows), with a time
 limit (--row-timeout), so one row that compiles too long is reported and the others still run.
@@ -32,6 +33,12 @@ from models import Llama, LlamaConfig  # noqa: E402
 from models.llama import next_token_loss  # noqa: E402
 
 PEAK_FLOPS = 790e12
+DEVICE = "cuda"
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 class WithLoss(torch.nn.Module):
@@ -46,7 +53,8 @@ class WithLoss(torch.nn.Module):
 ROWS = ["eager", "torch.compile", "pipeline.jit [inductor]", "pipeline.jit [nvfuser, inductor]",
         "pipeline.jit [te, nvfuser, inductor] bf16", "pipeline.jit [te fp8 current, nvfuser, inductor]",
         "pipeline.jit [te fp8 delayed, nvfuser, inductor]", "pipeline.jit [te fp8 delayed, inductor]",
-        "pipeline.jit [te grouped, inductor] bf16", "pipeline.jit [te fp8 delayed grouped, inductor]"]
+        "pipeline.jit [te grouped, inductor] bf16", "pipeline.jit [te fp8 delayed grouped, inductor]",
+        "pipeline.jit [inductor] + group_linears"]
 
 
 def executors_of(name):
@@ -84,29 +92,47 @@ def gpu_time_by_executor(step_fn, tokens):
             "top_regions": [f"{r.id} {r.stage} {r.executor} {r.ms:.2f}ms x{r.calls}: {r.ops}" for r in top]}
 
 
+def top_kernels(step, n=15):
+    """The GPU kernels of one training step by total time: which kernels an executor launches, how
+    often, and what they cost (e.g. TE's casts and GEMMs)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU]) as prof:
+        step()
+        sync()
+    field = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, field, 0) > 0]
+    events.sort(key=lambda e: -getattr(e, field))
+    total = sum(getattr(e, field) for e in events) / 1e3
+    return [f"total {total:.1f} ms in kernels"] + [
+        f"{getattr(e, field) / 1e3:7.2f} ms x{e.count:<4} {e.key[:110]}" for e in events[:n]]
+
+
 def run_row(name, how, config, batches, profile=False):
     torch.manual_seed(0)
-    model = WithLoss(Llama(config)).cuda().to(torch.bfloat16)
+    model = WithLoss(Llama(config)).to(DEVICE, torch.bfloat16)
     if how is None:
         step_fn = model
     elif how == "compile":
         step_fn = torch.compile(model)
     else:
-        step_fn = pipeline.jit(model, executors=how)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    torch.cuda.reset_peak_memory_stats()
+        from transforms import group_linears
+        step_fn = pipeline.jit(model, executors=how,
+                               transforms=[group_linears()] if name.endswith("+ group_linears") else [])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
     for tokens in batches:
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         loss = step_fn(tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
     extra = {}
     if how not in (None, "compile"):
         table = pipeline.regions(step_fn)
@@ -117,6 +143,12 @@ def run_row(name, how, config, batches, profile=False):
         extra["fp8_gemm_flop_share"] = table.fp8_gemm_flop_share()
         if profile:
             extra.update(gpu_time_by_executor(step_fn, batches[0]))
+    if profile:
+        def one_step():
+            step_fn(batches[0]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        extra["top_kernels"] = top_kernels(one_step)
     return losses, times, peak, extra
 
 
@@ -128,11 +160,14 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", nargs="*", default=[], help="substrings of row names to run")
     parser.add_argument("--profile", action="store_true", help="GPU time per executor (pipeline rows)")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds per row, compile included")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--row", default=None, help=argparse.SUPPRESS)       # internal: run one row
     parser.add_argument("--row-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     config = LlamaConfig.llama_1b()
     config.layers, config.max_seq = args.layers, args.seq
     if args.row is not None:
@@ -143,7 +178,7 @@ def main():
     flops_per_token = 6 * params + 12 * config.layers * args.seq * config.dim
     tokens_per_step = args.batch * args.seq
     print(f"Llama-style {params / 1e9:.2f}B params, {config.layers} layers, batch {args.batch} x seq {args.seq}, "
-          f"bf16, fused AdamW, {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+          f"bf16, fused AdamW, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}, torch {torch.__version__}", flush=True)
     print(f"{'':50} {'tokens/s':>9} {'MFU':>6} {'1st step s':>10} {'peak GiB':>9} {'max |Δloss|':>11}", flush=True)
     results, eager_losses = [], None
     for name in [r for r in ROWS if not args.only or any(o in r for o in args.only)]:
@@ -160,7 +195,10 @@ def main():
         dev = max(abs(a - b) for a, b in zip(losses, eager_losses)) if eager_losses else float("nan")
         print(f"{name:50} {tps:9.0f} {mfu:6.1%} {times[0]:10.1f} {result['peak']:9.2f} {dev:11.2e}", flush=True)
         for key, value in result["extra"].items():
-            print(f"    {key}: {value}", flush=True)
+            if isinstance(value, list):
+                print(f"    {key}:\n" + "\n".join(f"      {v}" for v in value), flush=True)
+            else:
+                print(f"    {key}: {value}", flush=True)
         results.append({"row": name, "tokens_per_s": tps, "mfu": mfu, "first_step_s": times[0],
                         "peak_gib": result["peak"], "max_loss_dev": dev, "losses": losses, **result["extra"]})
     if args.json:
@@ -172,7 +210,8 @@ def run_in_subprocess(name, args):
     """One row in a fresh process, within --row-timeout seconds."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, __file__, "--row", name, "--row-json", out.name, "--layers", str(args.layers),
-               "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+               "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+               "--device", args.device]
         cmd += ["--profile"] if args.profile else []
         try:
             proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True)
@@ -188,7 +227,7 @@ def run_in_subprocess(name, args):
 
 def run_one(args, config):
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, config.vocab, (args.batch, args.seq), generator=g).cuda() for _ in range(args.steps)]
+    batches = [torch.randint(0, config.vocab, (args.batch, args.seq), generator=g).to(DEVICE) for _ in range(args.steps)]
     try:
         losses, times, peak, extra = run_row(args.row, executors_of(args.row), config, batches, args.profile)
         result = {"row": args.row, "losses": losses, "times": times, "peak": peak, "extra": extra}
