@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ir import Trace, node_value
+from ir import Trace, fake_like, node_value
 
 from .base import Executor
 from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, recipe_formats, te_dtype
@@ -232,6 +232,7 @@ class TEExecutor(Executor):
             trace = group_linears_in(trace)
         gm = trace.editable()
         notes = []
+        _matmuls_with_a_weight_as_linears(gm, trace)
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target not in _LINEARS:
                 continue
@@ -277,6 +278,31 @@ class TEExecutor(Executor):
         return None
 
 
+def _matmuls_with_a_weight_as_linears(gm: fx.GraphModule, trace: Trace) -> None:
+    """`x @ W` with W a 2-D parameter becomes `linear(x, W.t().contiguous())` (in place), so TE takes
+    it like a linear layer; the transposed copy of W is part of the graph, its gradient flows back."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kinds = {n: spec.kind for n, spec in zip(placeholders, trace.inputs)}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (operator.matmul, torch.matmul) or node.kwargs:
+            continue
+        x, w = node.args
+        xv, wv = node_value(x), node_value(w)
+        if kinds.get(w) != "parameter" or not isinstance(wv, torch.Tensor) or wv.dim() != 2 \
+                or not isinstance(xv, torch.Tensor) or xv.dim() < 2:
+            continue
+        k, n = wv.shape
+        with gm.graph.inserting_before(node):
+            t = gm.graph.call_function(torch.t, (w,))
+            t.meta["val"] = fake_like(wv, (n, k), stride=(1, n))
+            wt = gm.graph.call_method("contiguous", (t,))
+            wt.meta["val"] = fake_like(wv, (n, k))
+            linear = gm.graph.call_function(torch._C._nn.linear, (x, wt))
+            linear.meta["val"] = node_value(node)
+        node.replace_all_uses_with(linear)
+        gm.graph.erase_node(node)
+
+
 _IMPLEMENTATIONS = {torch.ops.pipeline_te.linear.default: _linear,
                     torch.ops.pipeline_te.linear_backward.default: _linear_backward}
 
@@ -287,6 +313,8 @@ def _linear_name(trace: Trace, node: fx.Node) -> str:
     w = node.args[1]
     if isinstance(w, fx.Node) and w.target is torch.cat:  # grouped linears: named after the first
         w = w.args[0][0]
+    if isinstance(w, fx.Node) and w.target == "contiguous" and w.args[0].target is torch.t:  # x @ W
+        w = w.args[0].args[0]
     placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]  # the same order as trace.inputs
     if isinstance(w, fx.Node) and w.op == "placeholder" and w in placeholders:
         spec = trace.inputs[placeholders.index(w)]
