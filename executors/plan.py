@@ -108,9 +108,11 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
             if fn is not None:
                 loaded.add(region.id)
         if fn is None:
-            fn = _compile_with_fallback(source, region, by_name[ex_name], order, fallback)
-            if key is not None:
+            fn, failed = _compile_with_fallback(source, region, by_name[ex_name], order, fallback)
+            if key is not None and not failed:
                 _store(artifacts, key, fn, source, region, by_name[region.executor], uncached)
+            elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
+                uncached.append(f"region {region.id} not cached: an executor failed to compile it")
         gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
         regions.append(region)
     _set_region_values(gm)
@@ -189,13 +191,15 @@ def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, 
     notes.append(f"region {region.id} not cached: {reason}")
 
 
-def _compile_with_fallback(source, region, first: Executor, order, fallback) -> Callable:
+def _compile_with_fallback(source, region, first: Executor, order, fallback) -> tuple[Callable, bool]:
+    """The region compiled by the first candidate that takes it, and whether any candidate failed
+    (raised an error, as opposed to declining)."""
     example_inputs = [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
     candidates = [first] + [e for e in order[order.index(first) + 1:]
                             if e is not first and _claims_all(e, source)]
     if all(c.name != fallback.name for c in candidates):
         candidates.append(fallback)
-    reasons = []
+    reasons, failed = [], False
     for ex in candidates:
         start = time.perf_counter()
         try:
@@ -204,12 +208,13 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback) -> 
             reasons.append(f"{ex.name} declined: {e}")
             continue
         except Exception as e:  # a region an executor cannot compile runs on the next one
+            failed = True
             reasons.append(f"{ex.name} failed to compile: {type(e).__name__}: {str(e).strip()[:300]}")
             continue
         region.compile_seconds = time.perf_counter() - start
         region.executor = ex.name
         region.fallback_reason = "; ".join(reasons) or None
-        return fn
+        return fn, failed
     raise RuntimeError(f"region {region.id}: no executor could compile it: {'; '.join(reasons)}")
 
 

@@ -245,3 +245,33 @@ def test_graph_with_input_mutations_hits_and_writes_them_back(convbn):
     assert torch.equal(out0, out1)
     assert_identical(grads0, grads1)
     assert_identical(stats0, stats1) and not torch.equal(stats0[0], torch.zeros(8))
+
+
+def test_a_region_whose_compile_failed_is_compiled_again_next_time(mlp):
+    """A failure may be passing (memory, a crashed compile worker): the fallback that ran instead is
+    not stored, so the next process tries the executor again rather than loading the fallback."""
+    from executors import Executor
+
+    class FailsOnce(Executor):
+        name, failures = "fails_once", [1]
+
+        def claims_op(self, op, node):
+            return True
+
+        def compile_region(self, gm, example_inputs):
+            if self.failures:
+                self.failures.pop()
+                raise RuntimeError("out of memory while compiling")
+            return gm.forward
+
+        artifact_unsupported_reason = lambda self, gm, example_inputs: None  # noqa: E731
+        save_region = lambda self, fn: b""  # noqa: E731
+        load_region = lambda self, data, gm, example_inputs: gm.forward  # noqa: E731
+
+    x = torch.randn(4, 16)
+    first, out0, _ = compile_and_step(mlp, x, executors=[FailsOnce()])
+    assert "torch" in {r.executor for r in pipeline.regions(first)}  # the first region's fallback
+    assert any("failed to compile" in n for _, n in pipeline.compile_stats(first).cache_notes)
+    second, out1, _ = compile_and_step(mlp, x, executors=[FailsOnce()])
+    assert {r.executor for r in pipeline.regions(second)} == {"fails_once"}
+    assert torch.equal(out0, out1)
