@@ -94,3 +94,29 @@ def test_te_groups_linears_when_asked_and_names_the_state_after_the_first(monkey
     names = sorted(cm._state.executors[0].scaling.names)
     assert names == sorted([f"layers.{i}.{m}.weight" for i in range(2)
                             for m in ("attn.wq", "attn.wo", "mlp.w1", "mlp.w2")] + ["head.weight"])
+
+
+class MergedView(torch.nn.Module):
+    """Views one output with its last dim merged into another, which a slice of a stacked output
+    cannot do: that piece is made contiguous, the other stays a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 6)
+
+    def forward(self, x):
+        return self.a(x).view(x.shape[0], -1).sum(-1) + self.b(x).view(x.shape[0], x.shape[1], 2, 3).sum((1, 2, 3))
+
+
+def test_a_grouped_output_that_must_be_merged_by_view_is_made_contiguous():
+    torch.manual_seed(0)
+    model = MergedView()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[group_linears()])
+    out = cm(x)
+    torch.testing.assert_close(out, eager(x))
+    assert len(pipeline.regions(cm)) > 0  # compiled, not run in eager
+    grouped = grouped_trace(cm)
+    assert linear_count(grouped) == 1
+    assert sum(1 for n in grouped.module.graph.nodes if n.op == "call_method" and n.target == "contiguous") == 1

@@ -6,11 +6,13 @@ activations. One GEMM with the weights stacked along N replaces each group: fewe
 (the `te` executor), one cast of the shared input instead of one per linear. The weights are
 concatenated in the trace on every call (a copy of the group's weights; autodiff splits the gradient
 back) and the output is split along its last dim, so results equal the separate linears up to GEMM
-rounding. Runs before autodiff, on the torch-level trace; with `te` listed, ask TE for it instead
+rounding. A piece is a strided slice; where the model `.view()`s it in a way a slice cannot be
+viewed (merging its last dim), that piece is copied contiguous first. Runs before autodiff, on the torch-level trace; with `te` listed, ask TE for it instead
 (`te.options(group_linears=True)`), since TE swaps the linears before the passes run.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -87,9 +89,33 @@ def _join(graph: fx.Graph, group: list[fx.Node]) -> None:
         split = _call(graph, torch.split, (y, widths, -1), tuple(pieces))
         for i, node in enumerate(group):
             piece = _call(graph, operator.getitem, (split, i), pieces[i])
+            if not _views_allowed(node, pieces[i]):  # a user views it in a way a slice cannot be
+                piece = _method(graph, "contiguous", (piece,), fake_like(y0, pieces[i].shape))
             node.replace_all_uses_with(piece)
     for node in group:
         graph.erase_node(node)
+
+
+def _views_allowed(node: fx.Node, piece) -> bool:
+    """Whether every `.view(...)` of the linear's output is also possible on `piece`, a slice of the
+    stacked output (merging its last dim with another, say, is not)."""
+    for user in node.users:
+        if not (user.op == "call_method" and user.target == "view"
+                or user.op == "call_function" and user.target is torch.Tensor.view):
+            continue
+        args = [node_value(a) if isinstance(a, fx.Node) else a for a in user.args[1:]]
+        try:
+            with piece.fake_mode if hasattr(piece, "fake_mode") else contextlib.nullcontext():
+                piece.view(*args)
+        except Exception:
+            return False
+    return True
+
+
+def _method(graph: fx.Graph, name, args, value) -> fx.Node:
+    node = graph.call_method(name, args)
+    node.meta["val"] = node.meta["example_value"] = value
+    return node
 
 
 def _call(graph: fx.Graph, target, args, value) -> fx.Node:
