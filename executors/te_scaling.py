@@ -102,12 +102,19 @@ class DelayedScalingState:
     def _ensure(self, device) -> None:
         n, length = len(self.names), self.recipe.amax_history_len
         if self.forward.scale is None or self.forward.scale.numel() < 2 * n:
+            first = self.forward.scale is None
             self.forward.ensure(n, length, device)
             self.backward.ensure(n, length, device)
+            loaded = False
             for name, tensors in list(self.pending.items()):
                 if name in self.names:
                     self._load(name, tensors)
                     del self.pending[name]
+                    loaded = True
+            if first and loaded:
+                # A loaded state holds the last saved step's amaxes, not yet in its scales: fold them
+                # in now, as the uninterrupted run's next call did (this call's update found no state).
+                self.update()
 
     def forward_quantizers(self, index: int, device):
         self._ensure(device)
@@ -122,7 +129,11 @@ class DelayedScalingState:
         for stack in (self.forward, self.backward):
             if stack.history is None:
                 continue
-            import transformer_engine_torch as tex
+            try:
+                import transformer_engine_torch as tex
+            except ImportError:  # no TE here (CPU tests): the same arithmetic in torch ops
+                _update_reference(stack.history, stack.scale, self.recipe, _FP8_MAX[stack.fmt])
+                continue
             tex.fused_amax_and_scale_update_after_reduction(
                 stack.history[0].clone(), [stack.history], [stack.scale], self.recipe.amax_compute_algo,
                 te_dtype(stack.fmt), self.recipe.margin)
@@ -158,6 +169,21 @@ class DelayedScalingState:
         self.backward.scale[i:i + 1].copy_(scale[2:])
         self.forward.history[:, 2 * i:2 * i + 2].copy_(history[:, :2])
         self.backward.history[:, i:i + 1].copy_(history[:, 2:])
+
+
+_FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def _update_reference(history: torch.Tensor, scale: torch.Tensor, recipe, fp8_max: float) -> None:
+    """TE's delayed-scaling update (its unfused path): amax from the history, the history rolled
+    with its newest row cleared, scale = fp8_max / amax / 2^margin where amax is positive and finite."""
+    amax = history.max(0).values if recipe.amax_compute_algo == "max" else history[0].clone()
+    if history.shape[0] > 1:
+        history.copy_(torch.roll(history, -1, 0))
+    history[0].fill_(0.0)
+    new = (fp8_max / amax) / (2 ** recipe.margin)
+    new = torch.where((amax > 0) & torch.isfinite(amax), new, scale)
+    scale.copy_(torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new))
 
 
 def delayed_state(handle: int) -> DelayedScalingState:

@@ -175,3 +175,39 @@ def test_te_takes_matmuls_with_a_weight_like_linears(monkeypatch):
     targets = [n.target for n in swapped.module.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.pipeline_te.linear.default) == 1
     assert sum(t in (torch.matmul, operator.matmul) for t in targets) == 1
+
+
+def test_te_delayed_scaling_resumed_from_a_state_dict_continues_like_the_uninterrupted_run():
+    """The saved state holds the last step's amaxes not yet folded into the scales; a model that loads
+    it folds them in before its first cast, as the uninterrupted model does at its next call. (Torch's
+    arithmetic stands in for TE's fused update kernel on the CPU.)"""
+    import torch
+
+    from executors.te_scaling import DelayedScalingState
+
+    class DelayedScaling:
+        margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo = 0, 4, "max", None
+
+    running = DelayedScalingState(DelayedScaling())
+    for name in ("a.weight", "b.weight"):
+        running.register(name)
+    running._ensure("cpu")
+    for step in range(3):  # casts record amaxes in row 0; the next call's update folds them in
+        running.update()
+        running.forward.history[0] = torch.tensor([2.0, 3.0, 5.0, 7.0]) * (step + 1)
+        running.backward.history[0] = torch.tensor([11.0, 13.0]) * (step + 1)
+    saved = running.state()
+    assert set(saved) == {"a.weight", "b.weight"} and saved["a.weight"]["fp8_amax_history"].shape == (4, 3)
+
+    resumed = DelayedScalingState(DelayedScaling())
+    for name, tensors in saved.items():
+        resumed.load(name, tensors)     # before the model has run: kept until its linears exist
+    for name in ("a.weight", "b.weight"):
+        resumed.register(name)
+    resumed.update()                    # the first call's update: nothing allocated yet
+    resumed._ensure("cpu")              # the first cast: allocates, loads, folds the amaxes in
+    running.update()                    # the uninterrupted run's next call
+    for name, tensors in running.state().items():
+        for key, value in tensors.items():
+            assert torch.equal(resumed.state()[name][key], value), (name, key)
+    torch.testing.assert_close(running.forward.scale[:2], torch.tensor([448.0 / 6, 448.0 / 9]))  # max over history
