@@ -86,7 +86,8 @@ class InductorExecutor(Executor):
         return (f"inductor fallback_random={self.fallback_random} config={config.get_hash().hex()} "
                 f"deterministic={torch.are_deterministic_algorithms_enabled()} "
                 f"matmul={torch.get_float32_matmul_precision()},{matmul.allow_tf32},"
-                f"{matmul.allow_fp16_reduced_precision_reduction},{matmul.allow_bf16_reduced_precision_reduction}")
+                f"{matmul.allow_fp16_reduced_precision_reduction},{matmul.allow_bf16_reduced_precision_reduction} "
+                f"machine={_machine()}")
 
     def artifact_unsupported_reason(self, gm, example_inputs) -> str | None:
         if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not _is_static(v))
@@ -179,6 +180,24 @@ def _isa_probe_libraries() -> set[str]:
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+@functools.cache
+def _machine() -> str:
+    """What generated kernels are specific to, as Inductor's own cache keys it: the GPU, CUDA and
+    Triton versions (`CacheBase.get_system`), and the CPU's vector instruction set."""
+    parts = []
+    try:
+        from torch._inductor.codecache import CacheBase
+        parts.append(str(CacheBase.get_system().get("hash")))
+    except Exception as e:  # an Inductor without it: key on its absence
+        parts.append(f"no-system-hash:{type(e).__name__}")
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        parts.append(str(pick_vec_isa()))
+    except Exception as e:
+        parts.append(f"no-vec-isa:{type(e).__name__}")
+    return ",".join(parts)
 
 
 def _library_ops():

@@ -161,6 +161,9 @@ class TEExecutor(Executor):
         return TEExecutor(fp8=True, recipe=recipe if kind == "DelayedScaling" else None,
                           group_linears=self.group_linears)
 
+    def cache_token(self) -> str:
+        return f"te fp8={self.use_fp8} recipe={self.recipe!r} group_linears={self.group_linears}"
+
     def for_model(self) -> "TEExecutor":
         """Delayed scaling keeps state per jitted model: each model gets its own copy."""
         if self.recipe is None:
