@@ -235,7 +235,7 @@ class TEExecutor(Executor):
             trace = group_linears_in(trace)
         gm = trace.editable()
         notes = []
-        _matmuls_with_a_weight_as_linears(gm, trace)
+        notes += self._matmuls_with_a_weight_as_linears(gm, trace)
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target not in _LINEARS:
                 continue
@@ -262,6 +262,39 @@ class TEExecutor(Executor):
         gm.recompile()
         return trace.derive(gm, by="te.swap_linears" + ("(fp8)" if self.use_fp8 else "")), notes
 
+    def _matmuls_with_a_weight_as_linears(self, gm: fx.GraphModule, trace: Trace) -> list[tuple[str, str]]:
+        """`x @ W` with W a 2-D parameter becomes `linear(x, W.t().contiguous())` (in place) where TE
+        can take that linear, so TE runs it like a linear layer; the transposed copy of W is part of
+        the graph and its gradient flows back. Returns (op, reason) for the matmuls left alone."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        kinds = {n: spec.kind for n, spec in zip(placeholders, trace.inputs)}
+        notes = []
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target not in (operator.matmul, torch.matmul) or node.kwargs:
+                continue
+            x, w = node.args
+            xv, wv = node_value(x), node_value(w)
+            if kinds.get(w) != "parameter" or not isinstance(wv, torch.Tensor) or wv.dim() != 2 \
+                    or not isinstance(xv, torch.Tensor) or xv.dim() < 2:
+                continue
+            k, n = wv.shape
+            with gm.graph.inserting_before(node):
+                t = gm.graph.call_function(torch.t, (w,))
+                t.meta["val"] = fake_like(wv, (n, k), stride=(1, n))
+                wt = gm.graph.call_method("contiguous", (t,))
+                wt.meta["val"] = fake_like(wv, (n, k))
+                linear = gm.graph.call_function(torch._C._nn.linear, (x, wt))
+                linear.meta["val"] = node_value(node)
+            reason = self._reject(linear)
+            if reason:  # stays a matmul: no transposed copy for nothing
+                for added in (linear, wt, t):
+                    gm.graph.erase_node(added)
+                notes.append(("matmul", f"te: {reason}; it runs as an ordinary matmul"))
+                continue
+            node.replace_all_uses_with(linear)
+            gm.graph.erase_node(node)
+        return notes
+
     def _reject(self, node: fx.Node) -> str | None:
         x, w = node_value(node.args[0]), node_value(node.args[1])
         if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
@@ -279,31 +312,6 @@ class TEExecutor(Executor):
             if bad:
                 return f"fp8 needs M, K, N divisible by 16, got {', '.join(bad)}"
         return None
-
-
-def _matmuls_with_a_weight_as_linears(gm: fx.GraphModule, trace: Trace) -> None:
-    """`x @ W` with W a 2-D parameter becomes `linear(x, W.t().contiguous())` (in place), so TE takes
-    it like a linear layer; the transposed copy of W is part of the graph, its gradient flows back."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    kinds = {n: spec.kind for n, spec in zip(placeholders, trace.inputs)}
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (operator.matmul, torch.matmul) or node.kwargs:
-            continue
-        x, w = node.args
-        xv, wv = node_value(x), node_value(w)
-        if kinds.get(w) != "parameter" or not isinstance(wv, torch.Tensor) or wv.dim() != 2 \
-                or not isinstance(xv, torch.Tensor) or xv.dim() < 2:
-            continue
-        k, n = wv.shape
-        with gm.graph.inserting_before(node):
-            t = gm.graph.call_function(torch.t, (w,))
-            t.meta["val"] = fake_like(wv, (n, k), stride=(1, n))
-            wt = gm.graph.call_method("contiguous", (t,))
-            wt.meta["val"] = fake_like(wv, (n, k))
-            linear = gm.graph.call_function(torch._C._nn.linear, (x, wt))
-            linear.meta["val"] = node_value(node)
-        node.replace_all_uses_with(linear)
-        gm.graph.erase_node(node)
 
 
 _IMPLEMENTATIONS = {torch.ops.pipeline_te.linear.default: _linear,

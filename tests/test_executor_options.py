@@ -211,3 +211,28 @@ def test_te_delayed_scaling_resumed_from_a_state_dict_continues_like_the_uninter
         for key, value in tensors.items():
             assert torch.equal(resumed.state()[name][key], value), (name, key)
     torch.testing.assert_close(running.forward.scale[:2], torch.tensor([448.0 / 6, 448.0 / 9]))  # max over history
+
+
+def test_te_leaves_a_matmul_it_cannot_take_alone_with_the_reason(monkeypatch):
+    """On the CPU TE rejects every linear: `x @ W` then stays a matmul (no transposed copy of W),
+    and compile_stats says why."""
+    import operator
+
+    import torch
+
+    import pipeline
+    from executors.te_executor import TEExecutor
+
+    monkeypatch.setattr(TEExecutor, "unavailable_reason", lambda self: None)
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    model = torch.nn.Module()
+    model.w = w
+    model.forward = lambda x: x @ model.w
+    cm = pipeline.jit(model, executors=[TEExecutor(), "torch"])
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(cm(x), x @ w)
+    captured = [t for t in pipeline.last_traces(cm) if t.level == "torch"][-1]
+    targets = [n.target for n in captured.module.graph.nodes if n.op == "call_function"]
+    assert operator.matmul in targets or torch.matmul in targets
+    assert torch.t not in targets
+    assert any(op == "matmul" and "TE needs CUDA" in why for _, op, why in pipeline.compile_stats(cm).op_fallbacks)
