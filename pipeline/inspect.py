@@ -27,7 +27,7 @@ class RegionTable(list):
         rows = [("id", "graph", "stage", "executor", "#ops", "ops", "inputs", "outputs")]
         for r in self:
             ops = _summarize(r.ops)
-            executor = r.executor + (" (fallback)" if r.fallback_reason else "")
+            executor = r.executor + _fallback_mark(r.fallback_reason)
             rows.append((str(r.id), r.graph_id, r.stage, executor, str(r.op_count), ops,
                          _clip(", ".join(r.input_shapes)), _clip(", ".join(r.output_shapes))))
         notes = [f"region {r.id}: {r.fallback_reason}" for r in self if r.fallback_reason]
@@ -61,6 +61,14 @@ def last_traces(cm) -> list[Trace]:
         raise RuntimeError("nothing compiled yet: call the jitted model first")
     latest = max(r.generation for r in state.records)
     return [t for rec in state.records if rec.generation == latest for t in rec.traces]
+
+
+def _fallback_mark(reason) -> str:
+    """" (declined)" when the executors before this one chose not to take the region, " (fallback)"
+    when one of them failed to compile it, "" otherwise."""
+    if not reason:
+        return ""
+    return " (fallback)" if "failed to compile" in reason else " (declined)"
 
 
 @dataclasses.dataclass

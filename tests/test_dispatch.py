@@ -199,3 +199,4 @@ def test_inductor_declines_regions_with_nothing_to_fuse():
     assert matmuls and all(r.executor == "torch" and "inductor declined: nothing to fuse" in r.fallback_reason
                            for r in matmuls)
     assert {r.executor for r in table} == {"pointwise", "torch"}
+    assert "torch (declined)" in str(table) and "(fallback)" not in str(table)
