@@ -115,3 +115,20 @@ def is_symbolic_glue(target) -> bool:
         return target.namespace == "aten" and target._opname.startswith("sym_")
     module = getattr(target, "__module__", "") or ""
     return module in ("_operator", "operator", "math") or getattr(target, "__name__", "").startswith("sym_")
+
+
+_CPU_FFT = ("_fft_r2c", "_fft_c2c", "_fft_c2r")
+
+
+def meta_strides_unreliable(node: fx.Node) -> bool:
+    """Whether `node`'s fake (meta) output strides may differ from what its real kernel produces.
+    One known case: the FFT ops on the CPU before torch 2.13 (torch.compile fails on them the same
+    way). Such ops run on `torch`, whose region copies their outputs into the promised layout."""
+    if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.namespace == "aten" and node.target._opname in _CPU_FFT):
+        return False
+    from torch.torch_version import TorchVersion
+    if TorchVersion(torch.__version__) >= "2.13":
+        return False
+    x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu"

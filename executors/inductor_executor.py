@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from ir import node_value
 
-from .base import Executor, RegionDeclined, is_symbolic_glue, restrided, static_stride
+from .base import Executor, RegionDeclined, is_symbolic_glue, meta_strides_unreliable, restrided, static_stride
 
 
 class InductorExecutor(Executor):
@@ -60,6 +60,8 @@ class InductorExecutor(Executor):
     def claims_op(self, op, node: fx.Node) -> bool:
         if is_symbolic_glue(op):
             return True
+        if meta_strides_unreliable(node):  # Inductor would assert the promised strides and fail
+            return False
         return op in _lowerings() or op in _decompositions(self.fallback_random)
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):

@@ -8,7 +8,9 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .base import Executor
+from ir import node_value
+
+from .base import Executor, meta_strides_unreliable, restrided, static_stride
 
 
 class TorchExecutor(Executor):
@@ -19,7 +21,7 @@ class TorchExecutor(Executor):
         return True
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
-        return gm.forward
+        return _with_promised_strides(gm)
 
     # Nothing compiled, nothing to store: a cached region is rebuilt from its graph.
     def artifact_unsupported_reason(self, gm, example_inputs):
@@ -29,7 +31,25 @@ class TorchExecutor(Executor):
         return b""
 
     def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
+        return _with_promised_strides(gm)
+
+
+def _with_promised_strides(gm: fx.GraphModule):
+    """`gm.forward`; where an op's fake strides are known to be unreliable, its region's outputs are
+    copied into the strides the trace promised (other executors compiled against those)."""
+    if not any(meta_strides_unreliable(n) for n in gm.graph.nodes):
         return gm.forward
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    promised = [(i, static_stride(node_value(n))) for i, n in enumerate(out) if isinstance(n, fx.Node)]
+    promised = [(i, s) for i, s in promised if s is not None]
+
+    def run(*args):
+        outs = list(gm(*args))
+        for i, stride in promised:
+            if outs[i].stride() != stride and outs[i].numel() > 1:
+                outs[i] = restrided(outs[i], stride)
+        return tuple(outs)
+    return run
 
 
 torch_executor = TorchExecutor()
