@@ -11,6 +11,8 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from ir import node_value
+
 RegionFn = Callable[..., tuple]
 
 
@@ -109,6 +111,36 @@ def restrided(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
+def promised_strides(region: fx.GraphModule) -> list[tuple[int, tuple[int, ...]]]:
+    """(output index, stride) for each output of `region` whose trace promises a static layout: what
+    other regions were compiled against."""
+    outs = region.graph.find_nodes(op="output")[0].args[0]
+    strides = [(i, static_stride(node_value(n))) for i, n in enumerate(outs) if isinstance(n, fx.Node)]
+    return [(i, stride) for i, stride in strides if stride is not None]
+
+
+def keep_promised_strides(outs: list, promised: list[tuple[int, tuple[int, ...]]]) -> list:
+    """`outs` (in place) with each output laid out differently from its promise copied into it."""
+    for i, stride in promised:
+        if outs[i].stride() != stride and outs[i].numel() > 1:  # one element: any stride is the same
+            outs[i] = restrided(outs[i], stride)
+    return outs
+
+
+def cuda_library_missing(what: str, modules: Sequence[str], install: str) -> str | None:
+    """None when every module imports and a CUDA GPU is present; otherwise why not (an executor's
+    `unavailable_reason` for a CUDA-only library)."""
+    import importlib
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            return f"{module} does not import ({type(e).__name__}: {str(e)[:200]}); {install}"
+    if not torch.cuda.is_available():
+        return f"{what} needs a CUDA GPU"
+    return None
+
+
 def is_symbolic_glue(target) -> bool:
     """Python-level arithmetic on sizes (operator.mul on SymInts, sym_size, ...)."""
     if isinstance(target, torch._ops.OpOverload):
@@ -130,5 +162,5 @@ def meta_strides_unreliable(node: fx.Node) -> bool:
     from torch.torch_version import TorchVersion
     if TorchVersion(torch.__version__) >= "2.13":
         return False
-    x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    x = node_value(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
     return isinstance(x, torch.Tensor) and x.device.type == "cpu"

@@ -20,9 +20,8 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from ir import node_value
-
-from .base import Executor, RegionDeclined, is_symbolic_glue, meta_strides_unreliable, restrided, static_stride
+from .base import (Executor, RegionDeclined, is_symbolic_glue, keep_promised_strides, meta_strides_unreliable,
+                   promised_strides)
 
 
 class InductorExecutor(Executor):
@@ -143,10 +142,7 @@ class InductorRegion:
 
     def boxed(self, args: list) -> tuple:
         """Inductor's own calling convention: it empties `args` and frees each input after its last use."""
-        outs = list(self.compiled(args))
-        for i, stride in self.restride:
-            outs[i] = restrided(outs[i], stride)
-        return tuple(outs)
+        return tuple(keep_promised_strides(list(self.compiled(args)), self.restride))
 
 
 def _is_static(t: torch.Tensor) -> bool:
@@ -249,18 +245,12 @@ def _static_strides(strides):
 
 
 def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple[int, ...]]]:
-    """(output index, promised stride) for each output Inductor lays out differently from what the
-    region's trace promises; those outputs are copied into the promised layout when they run."""
+    """The promised strides (`promised_strides`) of the outputs Inductor lays out differently; those
+    outputs are copied into the promised layout when they run."""
     if not actual:
         return []
-    promised = region.graph.find_nodes(op="output")[0].args[0]
-    out = []
-    for i, (node, got) in enumerate(zip(promised, actual)):
-        val = node_value(node) if isinstance(node, fx.Node) else None
-        want = static_stride(val)
-        if want is not None and got is not None and tuple(got) != want and val.numel() > 1:
-            out.append((i, want))
-    return out
+    return [(i, want) for i, want in promised_strides(region)
+            if i < len(actual) and actual[i] is not None and tuple(actual[i]) != want]
 
 
 def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:

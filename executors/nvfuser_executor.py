@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ir import node_value
 
-from .base import Executor, restrided, static_stride
+from .base import Executor, cuda_library_missing, keep_promised_strides, promised_strides
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -41,14 +41,8 @@ class NvFuserExecutor(Executor):
     kind = "fusion"
 
     def unavailable_reason(self) -> str | None:
-        try:
-            import nvfuser_direct  # noqa: F401
-        except Exception as e:
-            return (f"nvfuser_direct does not import ({type(e).__name__}: {e}); install nvFuser "
-                    f"(pip install nvfuser-cu130-torch210) on a CUDA machine")
-        if not torch.cuda.is_available():
-            return "nvFuser needs a CUDA GPU"
-        return None
+        return cuda_library_missing("nvFuser", ["nvfuser_direct"],
+                                    "install nvFuser (pip install nvfuser-cu130-torch210) on a CUDA machine")
 
     def claims_op(self, op, node: fx.Node) -> bool:
         if op not in _OPS:
@@ -80,8 +74,7 @@ class _FusionRunner:
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
         self.fusions: dict[tuple, object] = {}
-        out = gm.graph.find_nodes(op="output")[0].args[0]
-        self.promised = [static_stride(node_value(n)) if isinstance(n, fx.Node) else None for n in out]
+        self.promised = promised_strides(gm)
 
     def __call__(self, *args):
         key = _key(args)
@@ -98,10 +91,7 @@ class _FusionRunner:
             self.fusions[key] = fd
         else:
             outs = fd.execute(list(args))
-        for i, stride in enumerate(self.promised):
-            if stride is not None and outs[i].stride() != stride and outs[i].numel() > 1:
-                outs[i] = restrided(outs[i], stride)
-        return tuple(outs)
+        return tuple(keep_promised_strides(outs, self.promised))
 
 
 class _EagerFusion:

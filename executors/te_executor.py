@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ir import Trace, fake_like, node_value
 
-from .base import Executor
+from .base import Executor, cuda_library_missing
 from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, recipe_formats, te_dtype
 
 _LINEARS = {torch._C._nn.linear, torch.nn.functional.linear}
@@ -204,15 +204,9 @@ class TEExecutor(Executor):
         return taken
 
     def unavailable_reason(self) -> str | None:
-        try:
-            import transformer_engine.pytorch  # noqa: F401
-            from transformer_engine.pytorch.cpp_extensions import general_gemm  # noqa: F401
-        except Exception as e:
-            return (f"transformer_engine.pytorch does not import ({type(e).__name__}: {str(e)[:200]}); "
-                    f"install Transformer Engine on a CUDA machine")
-        if not torch.cuda.is_available():
-            return "Transformer Engine needs a CUDA GPU"
-        return None
+        return cuda_library_missing("Transformer Engine", ["transformer_engine.pytorch",
+                                                           "transformer_engine.pytorch.cpp_extensions"],
+                                    "install Transformer Engine on a CUDA machine")
 
     def claims_op(self, op, node: fx.Node) -> bool:
         return op in (torch.ops.pipeline_te.linear.default, torch.ops.pipeline_te.linear_backward.default)
@@ -235,7 +229,8 @@ class TEExecutor(Executor):
             trace = group_linears_in(trace)
         gm = trace.editable()
         notes = []
-        notes += self._matmuls_with_a_weight_as_linears(gm, trace)
+        specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], trace.inputs))  # what each input is
+        notes += self._matmuls_with_a_weight_as_linears(gm, specs)
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target not in _LINEARS:
                 continue
@@ -248,7 +243,8 @@ class TEExecutor(Executor):
             with gm.graph.inserting_before(node):
                 scaling, index = -1, -1
                 if self.scaling is not None:
-                    scaling, index = self.scaling.handle, self.scaling.register(_linear_name(trace, node))
+                    name = _linear_name(trace, node, specs)
+                    scaling, index = self.scaling.handle, self.scaling.register(name)
                 call = gm.graph.call_function(torch.ops.pipeline_te.linear.default,
                                               (x, w, b, self.use_fp8, scaling, index))
                 first = gm.graph.call_function(operator.getitem, (call, 0))
@@ -262,19 +258,17 @@ class TEExecutor(Executor):
         gm.recompile()
         return trace.derive(gm, by="te.swap_linears" + ("(fp8)" if self.use_fp8 else "")), notes
 
-    def _matmuls_with_a_weight_as_linears(self, gm: fx.GraphModule, trace: Trace) -> list[tuple[str, str]]:
+    def _matmuls_with_a_weight_as_linears(self, gm: fx.GraphModule, specs: dict) -> list[tuple[str, str]]:
         """`x @ W` with W a 2-D parameter becomes `linear(x, W.t().contiguous())` (in place) where TE
         can take that linear, so TE runs it like a linear layer; the transposed copy of W is part of
         the graph and its gradient flows back. Returns (op, reason) for the matmuls left alone."""
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        kinds = {n: spec.kind for n, spec in zip(placeholders, trace.inputs)}
         notes = []
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target not in (operator.matmul, torch.matmul) or node.kwargs:
                 continue
             x, w = node.args
             xv, wv = node_value(x), node_value(w)
-            if kinds.get(w) != "parameter" or not isinstance(wv, torch.Tensor) or wv.dim() != 2 \
+            if getattr(specs.get(w), "kind", None) != "parameter" or not isinstance(wv, torch.Tensor) or wv.dim() != 2 \
                     or not isinstance(xv, torch.Tensor) or xv.dim() < 2:
                 continue
             k, n = wv.shape
@@ -318,7 +312,7 @@ _IMPLEMENTATIONS = {torch.ops.pipeline_te.linear.default: _linear,
                     torch.ops.pipeline_te.linear_backward.default: _linear_backward}
 
 
-def _linear_name(trace: Trace, node: fx.Node) -> str:
+def _linear_name(trace: Trace, node: fx.Node, specs: dict) -> str:
     """The qualified name of the linear's weight when it is a parameter (its fp8 state's name),
     else a name unique to this node."""
     w = node.args[1]
@@ -326,12 +320,8 @@ def _linear_name(trace: Trace, node: fx.Node) -> str:
         w = w.args[0][0]
     if isinstance(w, fx.Node) and w.target == "contiguous" and w.args[0].target is torch.t:  # x @ W
         w = w.args[0].args[0]
-    placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]  # the same order as trace.inputs
-    if isinstance(w, fx.Node) and w.op == "placeholder" and w in placeholders:
-        spec = trace.inputs[placeholders.index(w)]
-        if getattr(spec, "qualname", None):
-            return spec.qualname
-    return f"{trace.name}.{node.name}"
+    qualname = getattr(specs.get(w), "qualname", None)
+    return qualname or f"{trace.name}.{node.name}"
 
 
 def _extra_key(name: str, suffix: str) -> str:

@@ -8,9 +8,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from ir import node_value
-
-from .base import Executor, meta_strides_unreliable, restrided, static_stride
+from .base import Executor, keep_promised_strides, meta_strides_unreliable, promised_strides
 
 
 class TorchExecutor(Executor):
@@ -39,16 +37,10 @@ def _with_promised_strides(gm: fx.GraphModule):
     copied into the strides the trace promised (other executors compiled against those)."""
     if not any(meta_strides_unreliable(n) for n in gm.graph.nodes):
         return gm.forward
-    out = gm.graph.find_nodes(op="output")[0].args[0]
-    promised = [(i, static_stride(node_value(n))) for i, n in enumerate(out) if isinstance(n, fx.Node)]
-    promised = [(i, s) for i, s in promised if s is not None]
+    promised = promised_strides(gm)
 
     def run(*args):
-        outs = list(gm(*args))
-        for i, stride in promised:
-            if outs[i].stride() != stride and outs[i].numel() > 1:
-                outs[i] = restrided(outs[i], stride)
-        return tuple(outs)
+        return tuple(keep_promised_strides(list(gm(*args)), promised))
     return run
 
 
