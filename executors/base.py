@@ -164,3 +164,9 @@ def meta_strides_unreliable(node: fx.Node) -> bool:
         return False
     x = node_value(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
     return isinstance(x, torch.Tensor) and x.device.type == "cpu"
+
+
+def donated_inputs(gm: fx.GraphModule) -> list[int]:
+    """Positions of a region's inputs that nothing reads after it (saved activations in a backward,
+    marked by the dispatcher): an executor may reuse their memory for its own buffers."""
+    return [i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if n.meta.get("donated")]

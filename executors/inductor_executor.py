@@ -20,8 +20,8 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from .base import (Executor, RegionDeclined, is_symbolic_glue, keep_promised_strides, meta_strides_unreliable,
-                   promised_strides)
+from .base import (Executor, RegionDeclined, donated_inputs, is_symbolic_glue, keep_promised_strides,
+                   meta_strides_unreliable, promised_strides)
 
 
 class InductorExecutor(Executor):
@@ -72,10 +72,12 @@ class InductorExecutor(Executor):
 
         with config.patch(fallback_random=self.fallback_random):
             decomposed = _inductor_decomposed(gm, example_inputs)
+        donated = donated_inputs(gm)
         # No channels-last layout choices of Inductor's own: other regions consume these outputs
         # with the strides the trace promises.
-        with config.patch(fallback_random=self.fallback_random, layout_optimization=False):
-            compiled = compile_fx_inner(decomposed, list(example_inputs))
+        with config.patch(fallback_random=self.fallback_random, layout_optimization=False), \
+                _donating(decomposed, donated):
+            compiled = compile_fx_inner(decomposed, list(example_inputs), is_backward=bool(donated))
         return InductorRegion(compiled, gm)
 
     # -- the compiled-artifact cache -------------------------------------------------------------
@@ -143,6 +145,33 @@ class InductorRegion:
     def boxed(self, args: list) -> tuple:
         """Inductor's own calling convention: it empties `args` and frees each input after its last use."""
         return tuple(keep_promised_strides(list(self.compiled(args)), self.restride))
+
+
+@contextlib.contextmanager
+def _donating(gm: fx.GraphModule, donated: list[int]):
+    """Lets Inductor reuse the memory of the region's donated inputs (saved activations this
+    region reads last, see `plan.mark_donated_inputs`) for its own buffers, as it does for
+    torch.compile's backward: it reads the indices from the tracing context's `fw_metadata`.
+    The donated placeholders are renamed, so Inductor's FX graph cache, which does not key on
+    donation, cannot hand this graph's kernels to an identical region without it, or back."""
+    if not donated:
+        yield
+        return
+    from torch._guards import TracingContext, tracing
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i in donated:
+        placeholders[i].name = placeholders[i].target = f"donated{i}"
+    gm.recompile()
+    ctx = TracingContext.try_get()
+    scope = contextlib.nullcontext() if ctx is not None else tracing(TracingContext(None))
+    with scope:
+        ctx = TracingContext.get()
+        saved = ctx.fw_metadata
+        ctx.fw_metadata = types.SimpleNamespace(bw_donated_idxs=list(donated), static_input_indices=[])
+        try:
+            yield
+        finally:
+            ctx.fw_metadata = saved
 
 
 def _is_static(t: torch.Tensor) -> bool:

@@ -85,17 +85,24 @@ class Execution:
 
 def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_id: str = "",
              fallback: Executor = torch_executor, first_region_id: int = 0,
-             artifacts: Optional[dict[str, RegionArtifact]] = None) -> Execution:
+             artifacts: Optional[dict[str, RegionArtifact]] = None,
+             donated: Sequence[int] = ()) -> Execution:
     """Assigns, partitions and compiles `trace`; see the module docstring.
 
     `artifacts` (region key -> `RegionArtifact`), when given, is the compiled-artifact cache: a
     region found there is rebuilt by its executor instead of compiled; a region compiled now is
-    added to it when its executor can store it."""
+    added to it when its executor can store it.
+
+    `donated`: indices of the trace's inputs that nothing reads after this stage (AOTAutograd's
+    `bw_donated_idxs`: saved activations in a backward). The region that reads such an input last
+    gets it marked `meta["donated"]` on its placeholder, so its executor may reuse the memory."""
     start = time.perf_counter()
     gm = trace.editable()
     assignment = assign(gm, executors, fallback)
     order = list(executors) + ([fallback] if all(e.name != fallback.name for e in executors) else [])
     named = partition(gm, order)
+    if donated:
+        mark_donated_inputs(gm, donated)
     by_name = {e.name: e for e in order}
     regions, loaded, uncached = [], set(), []
     for k, (sub_name, ex_name) in enumerate(named):
@@ -127,7 +134,7 @@ def region_key(source: fx.GraphModule, order: Sequence[Executor]) -> str:
     parts = [source.code, *(e.cache_token() for e in order)]
     for node in source.graph.nodes:
         if node.op == "placeholder":
-            parts.append(value_signature(node_value(node)))
+            parts.append(value_signature(node_value(node)) + (" donated" if node.meta.get("donated") else ""))
         elif node.op == "get_attr":
             value = getattr(source, node.target)
             parts.append(value_signature(value))
@@ -272,6 +279,21 @@ def gemm_flops(node: fx.Node) -> tuple[int, bool]:
     except (TypeError, IndexError):  # symbolic sizes: not counted
         pass
     return 0, False
+
+
+def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int]) -> None:
+    """Sets `meta["donated"]` on a region's placeholder when the stage input it receives is donated
+    and this region is its last reader (no later region, and not the stage's output)."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    candidates = {inputs[i] for i in donated if i < len(inputs)}
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        placeholders = [n for n in gm.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
+        for arg, placeholder in zip(node.args, placeholders):
+            if arg in candidates and max(order[u] for u in arg.users) == order[node]:
+                placeholder.meta["donated"] = True
 
 
 def _set_region_values(gm: fx.GraphModule) -> None:

@@ -128,9 +128,12 @@ class PipelineBackend:
         lowered = trace.fingerprint() if cache is not None else ""
         trace = self._run_passes("after_autodiff", trace, record)
         start = time.perf_counter()
+        # Saved activations nothing reads after the backward (AOTAutograd's donated buffers): the
+        # region reading one last may reuse its memory, as Inductor does inside torch.compile.
+        donated = (getattr(meta, "bw_donated_idxs", None) or []) if stage == "backward" else []
         execution = dispatch(trace, self.state.executors, stage=stage, graph_id=record.graph_id,
                              first_region_id=sum(len(r.regions) for r in self.state.records),
-                             artifacts=cache.artifacts if cache is not None else None)
+                             artifacts=cache.artifacts if cache is not None else None, donated=donated)
         record.seconds["dispatch"] += time.perf_counter() - start
         for region in execution.regions:
             record.seconds["dispatch"] -= region.compile_seconds

@@ -1,0 +1,114 @@
+"""Donated buffers: saved activations that nothing reads after the backward may be overwritten by
+the region that reads them last (AOTAutograd's `bw_donated_idxs`), so Inductor reuses their
+memory as it does inside torch.compile, and no other region ever sees an overwritten input."""
+import re
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import pipeline
+from executors.base import Executor, donated_inputs
+from executors.inductor_executor import inductor_executor
+from models import Llama, LlamaConfig
+from models.llama import next_token_loss
+
+aten = torch.ops.aten
+
+
+class Recording(Executor):
+    """Claims ops by a predicate and runs regions as they are; logs (stage inputs, donated inputs)."""
+
+    def __init__(self, name, kind, claim, log):
+        self.name, self.kind, self.claim, self.log = name, kind, claim, log
+
+    def claims_op(self, op, node):
+        return self.claim(op)
+
+    def compile_region(self, gm, example_inputs):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self.log.append((names, [names[i] for i in donated_inputs(gm)]))
+        return gm.forward
+
+
+def sin_mm_cos(x, w):
+    y = x.sin()
+    return ((y @ w).cos() * y).sum()
+
+
+def test_a_saved_activation_is_donated_only_to_the_last_region_reading_it():
+    log = []
+    mm = Recording("mm", "operator", lambda op: op is aten.mm.default, log)
+    pointwise = Recording("pointwise", "fusion", lambda op: op is not aten.mm.default, log)
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    cf = pipeline.jit(sin_mm_cos, executors=[mm, pointwise])
+    cf(x, w).backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    sin_mm_cos(x2, w2).backward()
+    torch.testing.assert_close((x.grad, w.grad), (x2.grad, w2.grad))
+
+    backward = log[len(log) - sum(1 for t in pipeline.last_traces(cf) if t.name.endswith("_backward")
+                                  for n in t.module.graph.nodes if n.op == "call_module"):]
+    donated = [(k, name) for k, (_, names) in enumerate(backward) for name in names]
+    assert donated, f"no backward region got a donated input: {backward}"
+    read_twice = 0
+    for k, name in donated:
+        readers = [j for j, (inputs, _) in enumerate(backward) if name in inputs]
+        assert readers[-1] == k, f"{name} donated to backward region {k}, but region {readers[-1]} reads it later"
+        read_twice += len(readers) > 1
+    assert read_twice, "the test should have a saved tensor read by two backward regions"
+
+
+def _pointwise(x, y):
+    return ((x * 2 + y).sin(),)
+
+
+def _compile_donating(index):
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    gm = make_fx(_pointwise)(x, y)
+    if index is not None:
+        [n for n in gm.graph.nodes if n.op == "placeholder"][index].meta["donated"] = True
+    return inductor_executor.compile_region(gm, [x, y]), x, y
+
+
+def test_inductor_writes_into_the_donated_input_and_only_that_one():
+    shares = []
+    for index in (0, None, 1):  # identical graphs: Inductor's own cache must keep them apart
+        region, x, y = _compile_donating(index)
+        xx, yy = x.clone(), y.clone()
+        out = region(xx, yy)[0]
+        torch.testing.assert_close(out, _pointwise(x, y)[0])
+        shares.append((out.data_ptr() == xx.data_ptr(), out.data_ptr() == yy.data_ptr()))
+        if index != 0:
+            assert torch.equal(xx, x)
+        if index != 1:
+            assert torch.equal(yy, y)
+    assert shares == [(True, False), (False, False), (False, True)]
+
+
+class WithLoss(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return next_token_loss(self.model(tokens), tokens)
+
+
+def test_inductor_backward_reuses_saved_activations_and_matches_eager():
+    torch.manual_seed(0)
+    model = WithLoss(Llama(LlamaConfig(layers=2)))
+    tokens = torch.randint(0, 256, (2, 16))
+    jitted = pipeline.jit(model, executors=["inductor"])
+    loss = jitted(tokens)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    expected = model(tokens)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    backward = [t for t in pipeline.last_traces(jitted) if t.name.endswith("_backward")][-1]  # dispatched
+    sources = [m.fn.compiled.source_code for _, m in backward.module.named_children()
+               if getattr(getattr(m, "fn", None), "compiled", None) is not None]
+    assert sources and any(re.search(r"reinterpret_tensor\(donated\d+.*# reuse", s) for s in sources)
