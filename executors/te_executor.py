@@ -135,17 +135,18 @@ class TEExecutor(Executor):
     name = "te"
     kind = "operator"
 
-    def __init__(self, fp8: bool = False, recipe=None, group_linears: bool = False):
+    def __init__(self, fp8: bool = False, recipe=None, group_linears: bool = True):
         self.use_fp8 = fp8
         self.recipe = recipe
         self.group_linears = group_linears
         self.scaling: DelayedScalingState | None = None  # per jitted model, see for_model
 
-    def options(self, *, group_linears: bool = False) -> "TEExecutor":
-        """This executor with options. `group_linears=True`: linears reading the same input (q/k/v,
-        gate/up) become one TE GEMM on their stacked weights (`transforms.group_linears`), so the
-        input is cast to fp8 once per group; grouped linears share one fp8 scaling state, saved
-        under the first member's module."""
+    def options(self, *, group_linears: bool = True) -> "TEExecutor":
+        """This executor with options. `group_linears` (on by default): linears reading the same
+        input (q/k/v, gate/up) become one TE GEMM on their stacked weights
+        (`transforms.group_linears`), so the input is cast to fp8 once per group and the GEMMs are
+        larger; grouped linears share one fp8 scaling state, saved under the first member's module.
+        `group_linears=False`: one TE GEMM per linear."""
         return TEExecutor(fp8=self.use_fp8, recipe=self.recipe, group_linears=group_linears)
 
     def fp8(self, recipe=None) -> "TEExecutor":

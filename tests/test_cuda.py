@@ -113,11 +113,13 @@ def relative_error(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_te_fp8_trains_close_to_bf16_and_reports_the_fp8_share():
+@pytest.mark.parametrize("grouped", [True, False])
+def test_te_fp8_trains_close_to_bf16_and_reports_the_fp8_share(grouped):
     _require("te")
+    import executors
     model, eager = llama_pair(torch.bfloat16)
     tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
-    cm = pipeline.jit(model, executors=_executors(["te-fp8", "inductor"]))
+    cm = pipeline.jit(model, executors=[executors.te.fp8().options(group_linears=grouped), "inductor"])
     loss, ref = step(cm, tokens), step(eager, tokens)
     assert abs(loss.item() - ref.item()) < 0.05 * ref.item()
     for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
@@ -188,7 +190,9 @@ def test_te_fp8_delayed_scaling_trains_and_keeps_its_state_in_the_state_dict():
     assert pipeline.regions(cm).fp8_gemm_flop_share() == 1.0
 
     sd = cm.state_dict()
-    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    # te groups q/k/v and gate/up by default: one state per group, under its first member
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and not n.endswith(("attn.wk", "attn.wv", "mlp.w3"))]
     fp8_keys = {k for k in sd if "._extra_state." in k}
     assert fp8_keys == {f"{n}._extra_state.weight_{s}" for n in linears for s in ("fp8_scale", "fp8_amax_history")}
     for n in linears:

@@ -63,11 +63,15 @@ def test_te_delayed_scaling_names_each_linears_state_after_its_weight(monkeypatc
     monkeypatch.setattr(TEExecutor, "unavailable_reason", lambda self: None)
     monkeypatch.setattr(TEExecutor, "_reject", lambda self, node: None)
     model = Llama(LlamaConfig(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, hidden=64, max_seq=16))
-    cm = pipeline.jit(model.bfloat16(), executors=[TEExecutor().fp8(DelayedScaling()), "torch"])
-    with pytest.raises(Exception):
-        cm(torch.randint(0, 64, (2, 8)))
     linears = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    assert sorted(cm._state.executors[0].scaling.names) == sorted(linears)
+    # one state per linear; grouped (the default), one per group, named after its first member
+    firsts = ["head.weight", "layers.0.attn.wq.weight", "layers.0.attn.wo.weight", "layers.0.mlp.w1.weight",
+              "layers.0.mlp.w2.weight"]
+    for te, names in [(TEExecutor().options(group_linears=False), linears), (TEExecutor(), firsts)]:
+        cm = pipeline.jit(model.bfloat16(), executors=[te.fp8(DelayedScaling()), "torch"])
+        with pytest.raises(Exception):
+            cm(torch.randint(0, 64, (2, 8)))
+        assert sorted(cm._state.executors[0].scaling.names) == sorted(names)
 
 
 def test_te_regions_call_the_ops_implementation_directly():
