@@ -47,11 +47,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if not fp8:
         y = general_gemm(weight, x2, out_dtype=x.dtype, layout="TN", bias=bias)[0]
         return [y.view(shape)]
-    if scaling < 0:
+    state = delayed_state(scaling) if scaling >= 0 else None
+    if state is None:
         qx, qw = current_quantizer("e4m3"), current_quantizer("e4m3")
     else:
-        qx, qw = delayed_state(scaling).forward_quantizers(index, x.device)
+        qx, qw = state.forward_quantizers(index, x.device)
     xq, wq = qx(x2.contiguous()), qw(weight.contiguous())
+    if state is not None:
+        state.recorded_forward(index, xq, wq)
     y = general_gemm(wq, xq, out_dtype=x.dtype, layout="TN", bias=bias, use_split_accumulator=False)[0]
     return [y.view(shape), xq._transpose, xq._scale_inv, wq._transpose, wq._scale_inv]
 
@@ -97,6 +100,8 @@ def _linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool
             db, dyq = tex.bgrad_quantize(dy2, gq)
         else:
             db, dyq = None, gq(dy2)
+        if scaling >= 0:
+            state.recorded_backward(index, dyq)
         dx = general_gemm(wq, dyq, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=True)[0]
         dw = general_gemm(xq, dyq, out_dtype=dy.dtype, layout="NT", grad=True, use_split_accumulator=True)[0]
         k = w_t.shape[0]

@@ -94,6 +94,11 @@ class DelayedScalingState:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded before the linear was compiled
         self.handle = next(_ids)
         _STATES[self.handle] = self
+        # No amax recorded yet: the first call casts with current scaling (a scale of 1 would flush
+        # the small gradients to zero in e5m2, and the model would learn nothing that step); the
+        # amaxes those casts measure fill the history, so the second call starts delayed scaling
+        # from real scales.
+        self.cold = True
 
     def register(self, name: str) -> int:
         """The index of the linear named `name` (a weight used by several linears shares its state)."""
@@ -118,17 +123,39 @@ class DelayedScalingState:
 
     def forward_quantizers(self, index: int, device):
         self._ensure(device)
+        if self.cold:
+            return current_quantizer(self.forward.fmt), current_quantizer(self.forward.fmt)
         return self.forward.quantizer(2 * index), self.forward.quantizer(2 * index + 1)
 
     def backward_quantizer(self, index: int, device):
         self._ensure(device)
+        if self.cold:
+            return current_quantizer(self.backward.fmt)
         return self.backward.quantizer(index)
+
+    def recorded_forward(self, index: int, xq, wq) -> None:
+        """After the forward casts: in the cold call, their amaxes go into the history."""
+        if self.cold:
+            self._record(self.forward, 2 * index, xq)
+            self._record(self.forward, 2 * index + 1, wq)
+
+    def recorded_backward(self, index: int, dyq) -> None:
+        if self.cold:
+            self._record(self.backward, index, dyq)
+
+    @staticmethod
+    def _record(stack: "_Stack", column: int, cast) -> None:
+        """A current-scaling cast's amax is fp8_max · scale_inv; kept as a delayed cast records it
+        (the max over the call's uses of that column)."""
+        row = stack.history[0, column:column + 1]
+        torch.maximum(row, cast._scale_inv.float().reshape(1) * _FP8_MAX[stack.fmt], out=row)
 
     def update(self) -> None:
         """New scales from the amaxes recorded since the last update; clears the newest history row."""
         for stack in (self.forward, self.backward):
             if stack.history is None:
                 continue
+            self.cold = False
             try:
                 import transformer_engine_torch as tex
             except ImportError:  # no TE here (CPU tests): the same arithmetic in torch ops

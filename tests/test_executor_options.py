@@ -240,3 +240,42 @@ def test_te_leaves_a_matmul_it_cannot_take_alone_with_the_reason(monkeypatch):
     assert operator.matmul in targets or torch.matmul in targets
     assert torch.t not in targets
     assert any(op == "matmul" and "TE needs CUDA" in why for _, op, why in pipeline.compile_stats(cm).op_fallbacks)
+
+
+def test_te_delayed_scaling_casts_its_first_call_with_current_scaling_and_records_the_amaxes(monkeypatch):
+    """Before any amax is recorded the scales are 1, which flushes small gradients to zero in e5m2:
+    the first call casts with current scaling instead, its measured amaxes (fp8_max · scale_inv)
+    fill the history, and the second call's update turns them into delayed scales. A state loaded
+    from a checkpoint is not cold. (Current quantizers stand in for TE's on the CPU.)"""
+    import types
+
+    import torch
+
+    from executors import te_scaling
+    from executors.te_scaling import DelayedScalingState
+
+    class DelayedScaling:
+        margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo = 0, 4, "max", None
+
+    monkeypatch.setattr(te_scaling, "current_quantizer", lambda fmt: f"current {fmt}")
+    state = DelayedScalingState(DelayedScaling())
+    index = state.register("a.weight")
+    state.update()                                       # the first call's update: nothing yet
+    assert state.forward_quantizers(index, "cpu") == ("current e4m3", "current e4m3")
+    assert state.backward_quantizer(index, "cpu") == "current e5m2"
+
+    def cast(amax, fp8_max):
+        return types.SimpleNamespace(_scale_inv=torch.tensor([amax / fp8_max]))
+    state.recorded_forward(index, cast(3.0, 448.0), cast(0.5, 448.0))
+    state.recorded_forward(index, cast(4.0, 448.0), cast(0.5, 448.0))   # a second use: the max
+    state.recorded_backward(index, cast(1e-6, 57344.0))
+    state.update()                                       # the second call: delayed scales from them
+    assert not state.cold                                # casts now use the delayed quantizers
+    torch.testing.assert_close(state.forward.scale, torch.tensor([448.0 / 4.0, 448.0 / 0.5]))
+    torch.testing.assert_close(state.backward.scale, torch.tensor([57344.0 / 1e-6]))
+
+    resumed = DelayedScalingState(DelayedScaling())
+    resumed.load("a.weight", state.state()["a.weight"])
+    resumed.register("a.weight")
+    resumed._ensure("cpu")
+    assert not resumed.cold
