@@ -6,8 +6,9 @@ for every row — eager, torch.compile, and pipeline.jit with several executor l
     python benchmarks/train_gpu.py --profile       # + GPU time per executor and the top kernels
     python benchmarks/train_gpu.py --device cpu --layers 1 --batch 1 --seq 32 --steps 6   # smoke test
 
-Each row runs in its own process (clean peak memory, no state shared between rows), with a time
-limit (--row-timeout), so one row that compiles too long is reported and the others still run.
+Each row runs in its own process with its own empty Inductor and Triton caches (clean peak memory,
+no state or compiled kernel shared between rows), with a time limit (--row-timeout), so one row
+that compiles too long is reported and the others still run.
 
 Columns: tokens/s over steps 5-20, MFU = (6·params + 12·layers·seq·dim) FLOPs per token against
 790 TFLOP/s (the bf16 matmul rate measured on the H200), first-step (compile) time, peak memory
@@ -52,10 +53,10 @@ class WithLoss(torch.nn.Module):
         return next_token_loss(self.model(tokens).float(), tokens)
 
 
-ROWS = ["eager", "torch.compile", "pipeline.jit [inductor]", "pipeline.jit [nvfuser, inductor]",
-        "pipeline.jit [te, nvfuser, inductor] bf16", "pipeline.jit [te fp8 delayed, nvfuser, inductor]",
-        "pipeline.jit [te fp8 current, nvfuser, inductor]", "pipeline.jit [te, inductor] bf16",
-        "pipeline.jit [te fp8 delayed, inductor]", "pipeline.jit [te fp8 current, inductor]",
+ROWS = ["eager", "torch.compile", "pipeline.jit [inductor]", "pipeline.jit [te fp8 delayed, inductor]",
+        "pipeline.jit [te, inductor] bf16", "pipeline.jit [te fp8 delayed, nvfuser, inductor]",
+        "pipeline.jit [te, nvfuser, inductor] bf16", "pipeline.jit [nvfuser, inductor]",
+        "pipeline.jit [te fp8 current, nvfuser, inductor]", "pipeline.jit [te fp8 current, inductor]",
         "pipeline.jit [te fp8 delayed ungrouped, inductor]", "pipeline.jit [inductor] + group_linears"]
 
 
@@ -210,13 +211,16 @@ def main():
 
 def run_in_subprocess(name, args):
     """One row in a fresh process, within --row-timeout seconds."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory() as caches:
+        # cold compiler caches for every row: no row's first step reuses kernels an earlier row built
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
+               "TRITON_CACHE_DIR": os.path.join(caches, "triton")}
         cmd = [sys.executable, __file__, "--row", name, "--row-json", out.name, "--layers", str(args.layers),
                "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
                "--device", args.device]
         cmd += ["--profile"] if args.profile else []
         try:
-            proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True)
+            proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True, env=env)
         except subprocess.TimeoutExpired:
             return {"row": name, "error": f"did not finish within --row-timeout {args.row_timeout:.0f} s"}
         try:
