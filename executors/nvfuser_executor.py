@@ -40,25 +40,12 @@ class NvFuserExecutor(Executor):
     name = "nvfuser"
     kind = "fusion"
 
-    def __init__(self, resize: bool = False):
-        self.resize = resize
-
-    def options(self, *, resize: bool = False) -> "NvFuserExecutor":
-        """`resize=True` also claims slices and concatenations (nvFuser's resize ops). Off by
-        default: on the H200 nvFuser's resize kernels for the rotary embedding and the q/k/v split
-        of a grouped linear took 6.4 ms of a 0.85B Llama's training step, which the executors after
-        it (Inductor) fuse into their pointwise kernels."""
-        return NvFuserExecutor(resize=resize)
-
-    def cache_token(self) -> str:
-        return f"nvfuser resize={self.resize}"
-
     def unavailable_reason(self) -> str | None:
         return cuda_library_missing("nvFuser", ["nvfuser_direct"],
                                     "install nvFuser (pip install nvfuser-cu130-torch210) on a CUDA machine")
 
     def claims_op(self, op, node: fx.Node) -> bool:
-        if op not in _OPS or (op in _RESIZE_OPS and not self.resize):
+        if op not in _OPS:
             return False
         values = [node_value(a) for a in node.all_input_nodes] + [node_value(node)]
         for v in values:
@@ -499,8 +486,6 @@ _LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.defaul
                aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
                aten.expand.default, aten.slice.Tensor, aten.cat.default, aten.clone.default, aten.alias.default,
                aten.lift_fresh_copy.default, aten._to_copy.default, prims.convert_element_type.default}
-
-_RESIZE_OPS = {aten.slice.Tensor, aten.cat.default}
 
 _CHECKS: dict[object, Callable[[fx.Node], bool]] = {
     aten.slice.Tensor: lambda n: _step_one(n) and _static_shapes(n),

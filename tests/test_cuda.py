@@ -213,16 +213,3 @@ def test_te_fp8_delayed_scaling_trains_and_keeps_its_state_in_the_state_dict():
     for k in fp8_keys:
         if "fp8_scale" in k or k.endswith("fp8_amax_history"):
             torch.testing.assert_close(restored[k], continued[k], rtol=0, atol=0, msg=k)
-
-
-def test_nvfuser_leaves_resize_ops_to_the_executors_after_it_unless_asked():
-    _require("nvfuser")
-    import executors
-    from torch.fx.experimental.proxy_tensor import make_fx
-    gm = make_fx(lambda x: torch.cat([x[:, :4].sin(), x[:, 4:]], 1))(torch.randn(4, 8, device="cuda"))
-
-    def claimed(ex):
-        return {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and ex.claims_op(n.target, n)}
-    default, resize = claimed(executors.nvfuser), claimed(executors.nvfuser.options(resize=True))
-    assert "aten.sin.default" in default and not default & {"aten.slice.Tensor", "aten.cat.default"}
-    assert {"aten.sin.default", "aten.slice.Tensor", "aten.cat.default"} <= resize
