@@ -12,19 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from executors.te_scaling import DelayedScalingState, current_quantizer  # noqa: E402
 import executors.te_executor  # noqa: E402,F401  (registers the ops)
-
-
-def ms(fn, iters=30):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from cuda_timing import cuda_ms as ms  # noqa: E402
 
 
 def main():
