@@ -62,6 +62,12 @@ class Executor:
         """Takes the entries of `state` this executor owns; returns their keys."""
         return set()
 
+    def decompositions_before_partition(self) -> dict:
+        """Decompositions (op -> fn) to apply while AOTAutograd traces the joint graph, for ops this
+        executor would decompose anyway: the min-cut partitioner then sees their parts and can
+        recompute a cheap one in the backward instead of saving a large output."""
+        return {}
+
     def prepare(self, trace):
         """Before autodiff, on the captured trace: swap ops this executor must receive whole (e.g. a
         linear with its own backward) for custom ops. Returns (trace, [(op, why it was left alone)])."""

@@ -63,6 +63,14 @@ class InductorExecutor(Executor):
             return False
         return op in _lowerings() or op in _decompositions(self.fallback_random)
 
+    def decompositions_before_partition(self) -> dict:
+        """As torch.compile's AOTAutograd decomposes them: with `detach` and log-softmax whole, the
+        partitioner saves the loss's fp32 log-probabilities for the backward (8192 tokens x 32000:
+        1 GiB); decomposed, it saves the bf16 logits and two [tokens, 1] reductions and recomputes
+        the rest (tests/test_donation.py measures the saved bytes)."""
+        table = _decompositions(self.fallback_random)
+        return {op: table[op] for op in _DECOMPOSE_BEFORE_PARTITION if op in table}
+
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
         reason = _nothing_to_fuse(gm)
         if reason:
@@ -293,6 +301,12 @@ def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.Gra
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         return make_fx(gm, decomposition_table=_decompositions(config.fallback_random),
                        tracing_mode="real")(*example_inputs)
+
+
+_DECOMPOSE_BEFORE_PARTITION = (
+    torch.ops.aten.detach.default, torch.ops.aten._log_softmax.default,
+    torch.ops.aten._log_softmax_backward_data.default, torch.ops.aten._softmax.default,
+    torch.ops.aten._softmax_backward_data.default, torch.ops.aten.nll_loss_backward.default)
 
 
 @functools.cache

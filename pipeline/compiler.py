@@ -94,7 +94,8 @@ class PipelineBackend:
             bw_compiler=functools.partial(stage, "backward"),
             inference_compiler=functools.partial(stage, "inference"),
             partition_fn=functools.partial(self._partition, record=record, captured=trace),
-            decompositions={},
+            decompositions={op: fn for ex in state.executors
+                            for op, fn in ex.decompositions_before_partition().items()},
         )
         inner = sum(record.seconds.values()) - inner_before
         record.seconds["lower"] += time.perf_counter() - start - inner
