@@ -5,6 +5,8 @@ for every row — eager, torch.compile, and pipeline.jit with several executor l
     python benchmarks/train_gpu.py --layers 2      # a quick look
     python benchmarks/train_gpu.py --profile       # + GPU time per executor and the top kernels
     python benchmarks/train_gpu.py --device cpu --layers 1 --batch 1 --seq 32 --steps 6   # smoke test
+    python benchmarks/train_gpu.py --resume /tmp/rows.json --only eager torch.compile   # one run in
+    python benchmarks/train_gpu.py --resume /tmp/rows.json                               # two commands
 
 Each row runs in its own process with its own empty Inductor and Triton caches (clean peak memory,
 no state or compiled kernel shared between rows), with a time limit (--row-timeout), so one row
@@ -166,6 +168,9 @@ def main():
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds per row, compile included")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--resume", default=None,
+                        help="a file of rows measured so far: rows in it are not run again, new rows are added "
+                             "to it, and the table shows them all (one run split over several commands)")
     parser.add_argument("--row", default=None, help=argparse.SUPPRESS)       # internal: run one row
     parser.add_argument("--row-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -184,8 +189,17 @@ def main():
           f"bf16, fused AdamW, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}, torch {torch.__version__}", flush=True)
     print(f"{'':50} {'tokens/s':>9} {'MFU':>6} {'1st step s':>10} {'peak GiB':>9} {'max |Δloss|':>11}", flush=True)
     results, eager_losses = [], None
-    for name in [r for r in ROWS if not args.only or any(o == r or (o in r and o not in ROWS) for o in args.only)]:
-        result = run_in_subprocess(name, args)
+    done = {}  # rows measured by an earlier command of the same run (--resume)
+    if args.resume and os.path.exists(args.resume):
+        with open(args.resume) as f:
+            done = json.load(f)
+    selected = [r for r in ROWS if not args.only or any(o == r or (o in r and o not in ROWS) for o in args.only)]
+    for name in [r for r in ROWS if r in selected or r in done]:
+        result = done.get(name) or run_in_subprocess(name, args)
+        if args.resume and name not in done and "error" not in result:
+            done[name] = result
+            with open(args.resume, "w") as f:
+                json.dump(done, f)
         if "error" in result:
             print(f"{name:50} failed: {result['error'].splitlines()[0][:300]}", flush=True)
             results.append(result)
