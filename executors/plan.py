@@ -283,17 +283,36 @@ def gemm_flops(node: fx.Node) -> tuple[int, bool]:
 
 def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int]) -> None:
     """Sets `meta["donated"]` on a region's placeholder when the stage input it receives is donated
-    and this region is its last reader (no later region, and not the stage's output)."""
+    and this region is the last to read it or any tensor sharing its memory (a view of it that an
+    earlier region returned, say): no later region, and not the stage's output."""
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     candidates = {inputs[i] for i in donated if i < len(inputs)}
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    last_read: dict = {}  # storage -> position of the last node reading a tensor in it
+    for node in gm.graph.nodes:
+        storage = _storage_of(node)
+        if storage is not None and node.users:
+            last_read[storage] = max(last_read.get(storage, -1), max(order[u] for u in node.users))
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         placeholders = [n for n in gm.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
         for arg, placeholder in zip(node.args, placeholders):
-            if arg in candidates and max(order[u] for u in arg.users) == order[node]:
+            storage = _storage_of(arg) if arg in candidates else None
+            if storage is not None and last_read[storage] == order[node]:
                 placeholder.meta["donated"] = True
+
+
+def _storage_of(node) -> Optional[object]:
+    """An identity of the memory behind a node's tensor value (views share their base's), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    value = node_value(node) if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except Exception:  # a tensor without storage (a subclass, say): not donated
+        return None
 
 
 def _set_region_values(gm: fx.GraphModule) -> None:

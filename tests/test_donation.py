@@ -1,14 +1,18 @@
 """Donated buffers: saved activations that nothing reads after the backward may be overwritten by
 the region that reads them last (AOTAutograd's `bw_donated_idxs`), so Inductor reuses their
 memory as it does inside torch.compile, and no other region ever sees an overwritten input."""
+import operator
 import re
 
+import pytest
 import torch
+import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pipeline
 from executors.base import Executor, donated_inputs
 from executors.inductor_executor import inductor_executor
+from executors.plan import mark_donated_inputs
 from models import Llama, LlamaConfig
 from models.llama import next_token_loss
 
@@ -56,6 +60,41 @@ def test_a_saved_activation_is_donated_only_to_the_last_region_reading_it():
         assert readers[-1] == k, f"{name} donated to backward region {k}, but region {readers[-1]} reads it later"
         read_twice += len(readers) > 1
     assert read_twice, "the test should have a saved tensor read by two backward regions"
+
+
+def _stage_with_a_view_read_later(view_aliases: bool) -> fx.GraphModule:
+    """A backward stage of three regions: region0 returns a view of the saved input `a` (or, when
+    `view_aliases` is False, a tensor of its own), region1 is the last region to read `a` itself,
+    region2 reads region0's output after it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        a = torch.empty(4, 4)
+        view = a.view(16) if view_aliases else torch.empty(16)
+        other = torch.empty(4, 4)
+    root = torch.nn.Module()
+    graph = fx.Graph()
+    inp = graph.placeholder("a")
+    inp.meta["val"] = a
+    outputs = []
+    for k, (arg, value) in enumerate([(inp, view), (inp, other), (None, other)]):
+        sub = fx.Graph()
+        x = sub.placeholder("x")
+        sub.output((x,))
+        root.add_module(f"region{k}", fx.GraphModule(torch.nn.Module(), sub))
+        call = graph.call_module(f"region{k}", (arg if arg is not None else outputs[0],))
+        out = graph.call_function(operator.getitem, (call, 0))
+        out.meta["val"] = value
+        outputs.append(out)
+    graph.output((outputs[1], outputs[2]))
+    return fx.GraphModule(root, graph)
+
+
+@pytest.mark.parametrize("view_aliases", [True, False])
+def test_an_input_is_not_donated_while_a_view_of_it_is_read_later(view_aliases):
+    gm = _stage_with_a_view_read_later(view_aliases)
+    mark_donated_inputs(gm, [0])
+    donated = {name: donated_inputs(gm.get_submodule(name)) for name in ("region0", "region1")}
+    assert donated == {"region0": [], "region1": [] if view_aliases else [0]}
 
 
 def _pointwise(x, y):
