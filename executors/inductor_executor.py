@@ -67,7 +67,7 @@ class InductorExecutor(Executor):
         """As torch.compile's AOTAutograd decomposes them: with `detach` and log-softmax whole, the
         partitioner saves the loss's fp32 log-probabilities for the backward (8192 tokens x 32000:
         1 GiB); decomposed, it saves the bf16 logits and two [tokens, 1] reductions and recomputes
-        the rest (tests/test_donation.py measures the saved bytes)."""
+        the rest (tests/test_partition_memory.py checks what is saved)."""
         table = _decompositions(self.fallback_random)
         return {op: table[op] for op in _DECOMPOSE_BEFORE_PARTITION if op in table}
 
@@ -160,8 +160,8 @@ def _donating(gm: fx.GraphModule, donated: list[int]):
     """Lets Inductor reuse the memory of the region's donated inputs (saved activations this
     region reads last, see `plan.mark_donated_inputs`) for its own buffers, as it does for
     torch.compile's backward: it reads the indices from the tracing context's `fw_metadata`.
-    The donated placeholders are renamed, so Inductor's FX graph cache, which does not key on
-    donation, cannot hand this graph's kernels to an identical region without it, or back."""
+    The donated placeholders are renamed, so the graph differs from an identical region's without
+    donation (or with other inputs donated) for Inductor's FX graph cache too."""
     if not donated:
         yield
         return
