@@ -148,6 +148,7 @@ def run_row(name, how, config, batches, profile=False):
         extra["fp8_gemm_flop_share"] = table.fp8_gemm_flop_share()
         if profile:
             extra.update(gpu_time_by_executor(step_fn, batches[0]))
+            opt.zero_grad(set_to_none=True)  # else the profiled step below adds into these gradients
     if profile:
         def one_step():
             step_fn(batches[0]).backward()
