@@ -27,6 +27,9 @@ class Executor:
 
     name: str = "executor"
     kind: str = "fusion"  # "fusion" | "operator"
+    # True when compiled regions may return one of their inputs where the trace has a fresh tensor
+    # (a clone compiled to an alias): donation then treats their outputs as sharing inputs' memory.
+    outputs_may_alias_inputs: bool = False
 
     def unavailable_reason(self) -> str | None:
         """None when the executor can run here; otherwise why not (what is missing, how to get it)."""

@@ -39,6 +39,7 @@ def _op(*overloads):
 class NvFuserExecutor(Executor):
     name = "nvfuser"
     kind = "fusion"
+    outputs_may_alias_inputs = True  # nvFuser may make a copy (clone -> set) an alias of its input
 
     def unavailable_reason(self) -> str | None:
         return cuda_library_missing("nvFuser", ["nvfuser_direct"],

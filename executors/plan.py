@@ -102,7 +102,7 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     order = list(executors) + ([fallback] if all(e.name != fallback.name for e in executors) else [])
     named = partition(gm, order)
     if donated:
-        mark_donated_inputs(gm, donated)
+        mark_donated_inputs(gm, donated, {e.name for e in order if e.outputs_may_alias_inputs})
     by_name = {e.name: e for e in order}
     regions, loaded, uncached = [], set(), []
     for k, (sub_name, ex_name) in enumerate(named):
@@ -281,25 +281,41 @@ def gemm_flops(node: fx.Node) -> tuple[int, bool]:
     return 0, False
 
 
-def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int]) -> None:
-    """Sets `meta["donated"]` on a region's placeholder when the stage input it receives is donated
-    and this region is the last to read it or any tensor sharing its memory (a view of it that an
-    earlier region returned, say): no later region, and not the stage's output."""
+def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int], may_alias: set[str] = frozenset()) -> None:
+    """Sets `meta["donated"]` on a region's placeholder when the stage input it receives is donated,
+    this region is the last to read it or any tensor sharing its memory (a view of it that an earlier
+    region returned, say: no later region, not the stage's output), and no other input of this
+    region shares that memory (the region would read it after reusing it).
+
+    Memory is told apart by the fake values' storages; outputs of regions run by executors in
+    `may_alias` (whose kernels may return an input where the trace has a copy) count as sharing the
+    memory of all of that region's tensor inputs."""
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     candidates = {inputs[i] for i in donated if i < len(inputs)}
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
-    last_read: dict = {}  # storage -> position of the last node reading a tensor in it
+    memory: dict[fx.Node, set] = {}  # node -> the storages its tensor may live in
     for node in gm.graph.nodes:
-        storage = _storage_of(node)
-        if storage is not None and node.users:
-            last_read[storage] = max(last_read.get(storage, -1), max(order[u] for u in node.users))
+        own = _storage_of(node)
+        memory[node] = {own} if own is not None else set()
+        if node.op == "call_function" and node.target is operator.getitem:
+            region = node.args[0]
+            if region.op == "call_module" and region.meta.get("executor") in may_alias:
+                for a in region.args:
+                    memory[node] |= memory.get(a, set()) if isinstance(a, fx.Node) else set()
+    last_read: dict = {}  # storage -> position of the last node reading a tensor in it
+    for node, storages in memory.items():
+        if node.users:
+            for storage in storages:
+                last_read[storage] = max(last_read.get(storage, -1), max(order[u] for u in node.users))
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         placeholders = [n for n in gm.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
         for arg, placeholder in zip(node.args, placeholders):
             storage = _storage_of(arg) if arg in candidates else None
-            if storage is not None and last_read[storage] == order[node]:
+            shared = storage is not None and any(
+                storage in memory.get(other, ()) for other in node.args if other is not arg and isinstance(other, fx.Node))
+            if storage is not None and last_read[storage] == order[node] and not shared:
                 placeholder.meta["donated"] = True
 
 

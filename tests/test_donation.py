@@ -97,6 +97,41 @@ def test_an_input_is_not_donated_while_a_view_of_it_is_read_later(view_aliases):
     assert donated == {"region0": [], "region1": [] if view_aliases else [0]}
 
 
+def test_outputs_of_an_executor_that_may_alias_count_as_its_inputs_memory():
+    """region0's output is a fresh tensor in the trace, but its executor may return its input."""
+    gm = _stage_with_a_view_read_later(view_aliases=False)
+    next(n for n in gm.graph.nodes if n.target == "region0").meta["executor"] = "aliasing"
+    mark_donated_inputs(gm, [0], may_alias={"aliasing"})
+    assert donated_inputs(gm.get_submodule("region1")) == []
+
+
+class Transposes(Executor):
+    """An operator executor taking transposes: it hands a view of a saved tensor to the region
+    that also reads the saved tensor itself."""
+    name, kind = "transposes", "operator"
+
+    def claims_op(self, op, node):
+        return op in (aten.t.default, aten.permute.default)
+
+    def compile_region(self, gm, example_inputs):
+        return gm.forward
+
+
+def _gram(x, w):
+    y = x @ w
+    return (y @ y.t()).sin().sum() + (y * y).sum()
+
+
+def test_a_region_reading_a_saved_tensor_and_a_view_of_it_does_not_overwrite_it():
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+    cf = pipeline.jit(_gram, executors=[Transposes(), "inductor"])
+    cf(x, w).backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    _gram(x2, w2).backward()
+    torch.testing.assert_close((x.grad, w.grad), (x2.grad, w2.grad), rtol=1e-4, atol=2e-3)
+
+
 def _pointwise(x, y):
     return ((x * 2 + y).sin(),)
 
