@@ -54,7 +54,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         qx, qw = state.forward_quantizers(index, x.device)
     xq, wq = qx(x2.contiguous()), qw(weight.contiguous())
     if state is not None:
-        state.recorded_forward(index, xq, wq)
+        state.recorded_forward(index, x2, weight)
     y = general_gemm(wq, xq, out_dtype=x.dtype, layout="TN", bias=bias, use_split_accumulator=False)[0]
     return [y.view(shape), xq._transpose, xq._scale_inv, wq._transpose, wq._scale_inv]
 
@@ -101,7 +101,7 @@ def _linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool
         else:
             db, dyq = None, gq(dy2)
         if scaling >= 0:
-            state.recorded_backward(index, dyq)
+            state.recorded_backward(index, dy2)
         dx = general_gemm(wq, dyq, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=True)[0]
         dw = general_gemm(xq, dyq, out_dtype=dy.dtype, layout="NT", grad=True, use_split_accumulator=True)[0]
         k = w_t.shape[0]

@@ -51,6 +51,9 @@ class _Stack:
 
     def __init__(self, per_linear: int, fmt: str):
         self.per_linear, self.fmt = per_linear, fmt
+        # Cold until amaxes were recorded and folded into scales: casts then use current scaling
+        # (a scale of 1 would flush small values, the gradients, to zero) and record their amaxes.
+        self.cold, self.recorded = True, False
         self.history: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.quantizers: dict[int, object] = {}  # column -> quantizer on views of the buffers above
@@ -94,11 +97,6 @@ class DelayedScalingState:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded before the linear was compiled
         self.handle = next(_ids)
         _STATES[self.handle] = self
-        # No amax recorded yet: the first call casts with current scaling (a scale of 1 would flush
-        # the small gradients to zero in e5m2, and the model would learn nothing that step); the
-        # amaxes those casts measure fill the history, so the second call starts delayed scaling
-        # from real scales.
-        self.cold = True
 
     def register(self, name: str) -> int:
         """The index of the linear named `name` (a weight used by several linears shares its state)."""
@@ -119,43 +117,47 @@ class DelayedScalingState:
             if first and loaded:
                 # A loaded state holds the last saved step's amaxes, not yet in its scales: fold them
                 # in now, as the uninterrupted run's next call did (this call's update found no state).
+                self.forward.cold = self.backward.cold = False
                 self.update()
 
     def forward_quantizers(self, index: int, device):
         self._ensure(device)
-        if self.cold:
+        if self.forward.cold:
             return current_quantizer(self.forward.fmt), current_quantizer(self.forward.fmt)
         return self.forward.quantizer(2 * index), self.forward.quantizer(2 * index + 1)
 
     def backward_quantizer(self, index: int, device):
         self._ensure(device)
-        if self.cold:
+        if self.backward.cold:
             return current_quantizer(self.backward.fmt)
         return self.backward.quantizer(index)
 
-    def recorded_forward(self, index: int, xq, wq) -> None:
-        """After the forward casts: in the cold call, their amaxes go into the history."""
-        if self.cold:
-            self._record(self.forward, 2 * index, xq)
-            self._record(self.forward, 2 * index + 1, wq)
+    def recorded_forward(self, index: int, x: torch.Tensor, w: torch.Tensor) -> None:
+        """After the forward casts: while cold, the amaxes of x and W go into the history."""
+        if self.forward.cold:
+            self._record(self.forward, 2 * index, x)
+            self._record(self.forward, 2 * index + 1, w)
 
-    def recorded_backward(self, index: int, dyq) -> None:
-        if self.cold:
-            self._record(self.backward, index, dyq)
+    def recorded_backward(self, index: int, dy: torch.Tensor) -> None:
+        if self.backward.cold:
+            self._record(self.backward, index, dy)
 
     @staticmethod
-    def _record(stack: "_Stack", column: int, cast) -> None:
-        """A current-scaling cast's amax is fp8_max · scale_inv; kept as a delayed cast records it
-        (the max over the call's uses of that column)."""
+    def _record(stack: "_Stack", column: int, t: torch.Tensor) -> None:
+        """The amax of `t` into the newest history row (the max over the call's uses of the column),
+        as a delayed cast records it: measured, since a current-scaling cast of an all-zero tensor
+        reports scale 1, not amax 0. An extra reduction, in the cold call only."""
         row = stack.history[0, column:column + 1]
-        torch.maximum(row, cast._scale_inv.float().reshape(1) * _FP8_MAX[stack.fmt], out=row)
+        torch.maximum(row, t.abs().amax().float().reshape(1), out=row)
+        stack.recorded = True
 
     def update(self) -> None:
         """New scales from the amaxes recorded since the last update; clears the newest history row."""
         for stack in (self.forward, self.backward):
             if stack.history is None:
                 continue
-            self.cold = False
+            if stack.recorded:  # a direction stays cold until a call of it recorded amaxes
+                stack.cold, stack.recorded = False, False
             try:
                 import transformer_engine_torch as tex
             except ImportError:  # no TE here (CPU tests): the same arithmetic in torch ops

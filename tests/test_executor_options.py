@@ -242,13 +242,12 @@ def test_te_leaves_a_matmul_it_cannot_take_alone_with_the_reason(monkeypatch):
     assert any(op == "matmul" and "TE needs CUDA" in why for _, op, why in pipeline.compile_stats(cm).op_fallbacks)
 
 
-def test_te_delayed_scaling_casts_its_first_call_with_current_scaling_and_records_the_amaxes(monkeypatch):
+def test_te_delayed_scaling_casts_with_current_scaling_until_amaxes_are_recorded(monkeypatch):
     """Before any amax is recorded the scales are 1, which flushes small gradients to zero in e5m2:
-    the first call casts with current scaling instead, its measured amaxes (fp8_max · scale_inv)
-    fill the history, and the second call's update turns them into delayed scales. A state loaded
-    from a checkpoint is not cold. (Current quantizers stand in for TE's on the CPU.)"""
-    import types
-
+    each direction casts with current scaling until a call of it has recorded amaxes (measured on
+    the tensors: an all-zero one records 0, not fp8_max), and the next update turns them into
+    delayed scales. Two forwards before a backward (gradient accumulation) leave the backward cold.
+    A state loaded from a checkpoint is not cold. (Stand-ins for TE's quantizers on the CPU.)"""
     import torch
 
     from executors import te_scaling
@@ -262,20 +261,27 @@ def test_te_delayed_scaling_casts_its_first_call_with_current_scaling_and_record
     index = state.register("a.weight")
     state.update()                                       # the first call's update: nothing yet
     assert state.forward_quantizers(index, "cpu") == ("current e4m3", "current e4m3")
+    state.recorded_forward(index, torch.full((2, 2), -3.0), torch.full((2, 2), 0.5))
+    state.recorded_forward(index, torch.full((2, 2), 4.0), torch.zeros(2, 2))   # a second use: the max
+    state.update()                                       # a second forward before any backward
+    assert not state.forward.cold and state.backward.cold
     assert state.backward_quantizer(index, "cpu") == "current e5m2"
-
-    def cast(amax, fp8_max):
-        return types.SimpleNamespace(_scale_inv=torch.tensor([amax / fp8_max]))
-    state.recorded_forward(index, cast(3.0, 448.0), cast(0.5, 448.0))
-    state.recorded_forward(index, cast(4.0, 448.0), cast(0.5, 448.0))   # a second use: the max
-    state.recorded_backward(index, cast(1e-6, 57344.0))
-    state.update()                                       # the second call: delayed scales from them
-    assert not state.cold                                # casts now use the delayed quantizers
     torch.testing.assert_close(state.forward.scale, torch.tensor([448.0 / 4.0, 448.0 / 0.5]))
+    state.recorded_backward(index, torch.zeros(3))       # an all-zero gradient: amax 0, scale kept
+    state.recorded_backward(index, torch.full((3,), 1e-6))
+    state.update()
+    assert not state.backward.cold                       # casts now use the delayed quantizers
     torch.testing.assert_close(state.backward.scale, torch.tensor([57344.0 / 1e-6]))
+
+    zero = DelayedScalingState(DelayedScaling())
+    zero.register("z.weight")
+    zero._ensure("cpu")
+    zero.recorded_backward(0, torch.zeros(3))
+    zero.update()
+    torch.testing.assert_close(zero.backward.history[:, 0], torch.zeros(4))   # nothing pinned
 
     resumed = DelayedScalingState(DelayedScaling())
     resumed.load("a.weight", state.state()["a.weight"])
     resumed.register("a.weight")
     resumed._ensure("cpu")
-    assert not resumed.cold
+    assert not resumed.forward.cold and not resumed.backward.cold
