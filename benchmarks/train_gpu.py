@@ -191,16 +191,20 @@ def main():
     print(f"{'':50} {'tokens/s':>9} {'MFU':>6} {'1st step s':>10} {'peak GiB':>9} {'max |Δloss|':>11}", flush=True)
     results, eager_losses = [], None
     done = {}  # rows measured by an earlier command of the same run (--resume)
+    settings = {k: getattr(args, k) for k in ("layers", "batch", "seq", "steps", "device")}
     if args.resume and os.path.exists(args.resume):
         with open(args.resume) as f:
             done = json.load(f)
+        if done.pop("settings", settings) != settings:
+            raise SystemExit(f"--resume {args.resume}: its rows were measured with other settings; "
+                             f"use a new file for {settings}")
     selected = [r for r in ROWS if not args.only or any(o == r or (o in r and o not in ROWS) for o in args.only)]
     for name in [r for r in ROWS if r in selected or r in done]:
         result = done.get(name) or run_in_subprocess(name, args)
         if args.resume and name not in done and "error" not in result:
             done[name] = result
             with open(args.resume, "w") as f:
-                json.dump(done, f)
+                json.dump({"settings": settings, **done}, f)
         if "error" in result:
             print(f"{name:50} failed: {result['error'].splitlines()[0][:300]}", flush=True)
             results.append(result)
