@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 import weakref
 
 import torch
@@ -97,6 +98,7 @@ class DelayedScalingState:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded before the linear was compiled
         self.handle = next(_ids)
         _STATES[self.handle] = self
+        self.warned = False
 
     def register(self, name: str) -> int:
         """The index of the linear named `name` (a weight used by several linears shares its state)."""
@@ -171,6 +173,12 @@ class DelayedScalingState:
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
         if self.forward.scale is None:
             return dict(self.pending)
+        if self.pending and not self.warned:
+            self.warned = True
+            warnings.warn(f"te fp8: loaded scaling state for {sorted(self.pending)} matched no linear that ran "
+                          f"(kept, and saved again). Grouped linears (te's default) keep one state under "
+                          f"the group's first member: load a checkpoint with the te.options(group_linears=...) "
+                          f"it was saved with")
         out = dict(self.pending)
         for name, i in self.names.items():
             if 2 * i + 2 > self.forward.scale.numel():  # registered, not run yet

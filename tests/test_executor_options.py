@@ -285,3 +285,24 @@ def test_te_delayed_scaling_casts_with_current_scaling_until_amaxes_are_recorded
     resumed.register("a.weight")
     resumed._ensure("cpu")
     assert not resumed.forward.cold and not resumed.backward.cold
+
+
+def test_te_delayed_scaling_warns_when_loaded_state_matches_no_linear():
+    """A checkpoint saved with ungrouped linears, loaded into a grouped model, has states for k/v
+    that no linear uses: saving says so instead of silently carrying them."""
+    import torch
+
+    from executors.te_scaling import DelayedScalingState
+
+    class DelayedScaling:
+        margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo = 0, 4, "max", None
+
+    state = DelayedScalingState(DelayedScaling())
+    tensors = {"fp8_scale": torch.ones(3), "fp8_amax_history": torch.zeros(4, 3)}
+    for name in ("attn.wq.weight", "attn.wk.weight"):
+        state.load(name, dict(tensors))
+    state.register("attn.wq.weight")
+    state._ensure("cpu")
+    with pytest.warns(UserWarning, match=r"attn\.wk\.weight.*group_linears"):
+        saved = state.state()
+    assert set(saved) == {"attn.wq.weight", "attn.wk.weight"}
