@@ -32,8 +32,7 @@ os.environ.setdefault("PIPELINE_CACHE", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import pipeline  # noqa: E402
-from models import Llama, LlamaConfig  # noqa: E402
-from models.llama import next_token_loss  # noqa: E402
+from models import LanguageModelLoss, Llama, LlamaConfig  # noqa: E402
 
 PEAK_FLOPS = 790e12
 DEVICE = "cuda"
@@ -42,17 +41,6 @@ DEVICE = "cuda"
 def sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-class WithLoss(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        # the loss in fp32, as training scripts compute it: the loss-curve column then resolves
-        # differences well below one bf16 ulp of the loss (0.06 at 10)
-        return next_token_loss(self.model(tokens).float(), tokens)
 
 
 ROWS = ["eager", "torch.compile", "pipeline.jit [inductor]", "pipeline.jit [te fp8 delayed, inductor]",
@@ -114,7 +102,9 @@ def top_kernels(step, n=15):
 
 def run_row(name, how, config, batches, profile=False):
     torch.manual_seed(0)
-    model = WithLoss(Llama(config)).to(DEVICE, torch.bfloat16)
+    # the loss in fp32, as training scripts compute it: the loss-curve column then resolves
+    # differences well below one bf16 ulp of the loss (0.06 at 10)
+    model = LanguageModelLoss(Llama(config), fp32_loss=True).to(DEVICE, torch.bfloat16)
     if how is None:
         step_fn = model
     elif how == "compile":

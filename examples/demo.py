@@ -7,22 +7,9 @@ import copy
 import time
 
 import torch
-import torch.nn as nn
 
 import pipeline
-from models import Llama, LlamaConfig
-from models.llama import next_token_loss
-
-
-class LanguageModelLoss(nn.Module):
-    """The model and its next-token loss, so the whole training step's graph is compiled."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        return next_token_loss(self.model(tokens), tokens)
+from models import LanguageModelLoss, Llama, LlamaConfig
 
 
 def train(step_fn, params, batches):

@@ -312,10 +312,12 @@ def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int], may_alias: s
             continue
         placeholders = [n for n in gm.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
         for arg, placeholder in zip(node.args, placeholders):
-            storage = _storage_of(arg) if arg in candidates else None
-            shared = storage is not None and any(
-                storage in memory.get(other, ()) for other in node.args if other is not arg and isinstance(other, fx.Node))
-            if storage is not None and last_read[storage] == order[node] and not shared:
+            if arg not in candidates or not memory[arg]:
+                continue
+            (storage,) = memory[arg]  # a stage input lives in its own memory
+            shared = any(storage in memory.get(other, ()) for other in node.args
+                         if other is not arg and isinstance(other, fx.Node))
+            if last_read[storage] == order[node] and not shared:
                 placeholder.meta["donated"] = True
 
 

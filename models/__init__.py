@@ -1,4 +1,4 @@
 """Models used by the demo, the tests and the benchmarks."""
-from .llama import Llama, LlamaBlock, LlamaConfig
+from .llama import LanguageModelLoss, Llama, LlamaBlock, LlamaConfig
 
-__all__ = ["Llama", "LlamaBlock", "LlamaConfig"]
+__all__ = ["LanguageModelLoss", "Llama", "LlamaBlock", "LlamaConfig"]

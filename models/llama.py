@@ -130,3 +130,17 @@ class Llama(nn.Module):
 def next_token_loss(logits, tokens):
     """Cross-entropy of predicting tokens[:, 1:] from logits[:, :-1]."""
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+class LanguageModelLoss(nn.Module):
+    """A model and its next-token loss, so a training step's whole graph is compiled. `fp32_loss`:
+    the cross-entropy on fp32 logits, as training scripts of bf16 models compute it."""
+
+    def __init__(self, model: nn.Module, fp32_loss: bool = False):
+        super().__init__()
+        self.model = model
+        self.fp32_loss = fp32_loss
+
+    def forward(self, tokens):
+        logits = self.model(tokens)
+        return next_token_loss(logits.float() if self.fp32_loss else logits, tokens)

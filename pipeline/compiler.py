@@ -131,9 +131,9 @@ class PipelineBackend:
         # position in this graph): the region reading one last may reuse its memory, as Inductor does
         # inside torch.compile. Kept by name across the passes, which may add or reorder inputs.
         positions = set(getattr(meta, "bw_donated_idxs", None) or []) if stage == "backward" else set()
-        donated_names = {n.name for i, n in enumerate(_placeholders(trace.module)) if i in positions}
+        donated_names = {n.name for i, n in enumerate(trace.placeholders()) if i in positions}
         trace = self._run_passes("after_autodiff", trace, record)
-        donated = [i for i, n in enumerate(_placeholders(trace.module)) if n.name in donated_names]
+        donated = [i for i, n in enumerate(trace.placeholders()) if n.name in donated_names]
         start = time.perf_counter()
         execution = dispatch(trace, self.state.executors, stage=stage, graph_id=record.graph_id,
                              first_region_id=sum(len(r.regions) for r in self.state.records),
@@ -175,10 +175,6 @@ def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
         out = Trace(out.module, name=out.name, level=out.level, inputs=out.inputs, outputs=out.outputs,
                     provenance=out.provenance + (Step(p.name, seconds),))
     return out
-
-
-def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def _num_outputs(gm: fx.GraphModule) -> int:

@@ -40,6 +40,20 @@ def assert_same_grads(eager, jitted, exact=True, rtol=1.3e-6, atol=1e-5):
             torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol, msg=f"grad of {name}")
 
 
+def assert_step_matches_eager(model, jitted, *inputs, rtol, atol):
+    """One forward + backward of `jitted` (which wraps `model`, sharing its parameters), then the
+    same step of `model` in eager: the losses and every gradient match."""
+    loss = jitted(*inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    expected = model(*inputs)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=rtol, atol=atol, msg=n)
+
+
 def recording_safe_open(requested: list):
     """A stand-in for `safetensors.safe_open` that records every (key, index) read through
     `get_slice(key)[index]` and fails on whole-tensor reads (`get_tensor`)."""

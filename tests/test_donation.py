@@ -13,8 +13,8 @@ import pipeline
 from executors.base import Executor, donated_inputs
 from executors.inductor_executor import inductor_executor
 from executors.plan import mark_donated_inputs
-from models import Llama, LlamaConfig
-from models.llama import next_token_loss
+from helpers import assert_step_matches_eager
+from models import LanguageModelLoss, Llama, LlamaConfig
 
 aten = torch.ops.aten
 
@@ -159,29 +159,11 @@ def test_inductor_writes_into_the_donated_input_and_only_that_one():
     assert shares == [(True, False), (False, False), (False, True)]
 
 
-class WithLoss(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        return next_token_loss(self.model(tokens), tokens)
-
-
 def test_inductor_backward_reuses_saved_activations_and_matches_eager():
     torch.manual_seed(0)
-    model = WithLoss(Llama(LlamaConfig(layers=2)))
-    tokens = torch.randint(0, 256, (2, 16))
+    model = LanguageModelLoss(Llama(LlamaConfig(layers=2)))
     jitted = pipeline.jit(model, executors=["inductor"])
-    loss = jitted(tokens)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    expected = model(tokens)
-    expected.backward()
-    torch.testing.assert_close(loss, expected)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert_step_matches_eager(model, jitted, torch.randint(0, 256, (2, 16)), rtol=1e-5, atol=1e-6)
     backward = [t for t in pipeline.last_traces(jitted) if t.name.endswith("_backward")][-1]  # dispatched
     sources = [m.fn.compiled.source_code for _, m in backward.module.named_children()
                if getattr(getattr(m, "fn", None), "compiled", None) is not None]
