@@ -85,22 +85,37 @@ def gpu_time_by_executor(step_fn, tokens):
             "top_regions": [f"{r.id} {r.stage} {r.executor} {r.ms:.2f}ms x{r.calls}: {r.ops}" for r in top]}
 
 
-def top_kernels(step, n=15):
+def top_kernels(step, n=15, trace_file=None):
     """The GPU kernels of one training step by total time: which kernels an executor launches, how
-    often, and what they cost (e.g. TE's casts and GEMMs)."""
+    often, and what they cost (e.g. TE's casts and GEMMs); then where the GPU sat idle and what the
+    CPU was doing meanwhile (`gpu_gaps.py`)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU]) as prof:
-        step()
-        sync()
+
+    from executors.plan import CompiledRegion
+    from gpu_gaps import idle_gaps
+    CompiledRegion.profiling = True  # regions as named ranges, to attribute idle time to them
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])) as prof:
+            step()
+            sync()
+    finally:
+        CompiledRegion.profiling = False
     field = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, field, 0) > 0]
     events.sort(key=lambda e: -getattr(e, field))
     total = sum(getattr(e, field) for e in events) / 1e3
-    return [f"total {total:.1f} ms in kernels"] + [
+    kernels = [f"total {total:.1f} ms in kernels"] + [
         f"{getattr(e, field) / 1e3:7.2f} ms x{e.count:<4} {e.key[:110]}" for e in events[:n]]
+    if DEVICE != "cuda":
+        return kernels, []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace_file or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return kernels, idle_gaps(json.load(f))
 
 
-def run_row(name, how, config, batches, profile=False):
+def run_row(name, how, config, batches, profile=False, args_trace_dir=None):
     torch.manual_seed(0)
     # the loss in fp32, as training scripts compute it: the loss-curve column then resolves
     # differences well below one bf16 ulp of the loss (0.06 at 10)
@@ -144,7 +159,8 @@ def run_row(name, how, config, batches, profile=False):
             step_fn(batches[0]).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        extra["top_kernels"] = top_kernels(one_step)
+        trace = os.path.join(args_trace_dir, name.replace(" ", "_").replace(",", "") + ".json") if args_trace_dir else None
+        extra["top_kernels"], extra["gpu_idle"] = top_kernels(one_step, trace_file=trace)
     return losses, times, peak, extra
 
 
@@ -155,7 +171,9 @@ def main():
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", nargs="*", default=[], help="row names, or substrings of row names, to run")
-    parser.add_argument("--profile", action="store_true", help="GPU time per executor (pipeline rows)")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU time per executor (pipeline rows), top kernels, and where the GPU sat idle")
+    parser.add_argument("--trace-dir", default=None, help="with --profile: keep each row's chrome trace here")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds per row, compile included")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -207,6 +225,8 @@ def main():
         dev = max(abs(a - b) for a, b in zip(losses, eager_losses)) if eager_losses else float("nan")
         print(f"{name:50} {tps:9.0f} {mfu:6.1%} {times[0]:10.1f} {result['peak']:9.2f} {dev:11.2e}", flush=True)
         for key, value in result["extra"].items():
+            if isinstance(value, list) and not value:
+                continue
             if isinstance(value, list):
                 print(f"    {key}:\n" + "\n".join(f"      {v}" for v in value), flush=True)
             else:
@@ -228,6 +248,7 @@ def run_in_subprocess(name, args):
                "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
                "--device", args.device]
         cmd += ["--profile"] if args.profile else []
+        cmd += ["--trace-dir", args.trace_dir] if args.trace_dir else []
         try:
             proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True, env=env)
         except subprocess.TimeoutExpired:
@@ -247,7 +268,8 @@ def run_one(args, config):
     pool = [torch.randint(0, config.vocab, (args.batch, args.seq), generator=g).to(DEVICE) for _ in range(2)]
     batches = [pool[i % 2] for i in range(args.steps)]
     try:
-        losses, times, peak, extra = run_row(args.row, executors_of(args.row), config, batches, args.profile)
+        losses, times, peak, extra = run_row(args.row, executors_of(args.row), config, batches, args.profile,
+                                             args.trace_dir)
         result = {"row": args.row, "losses": losses, "times": times, "peak": peak, "extra": extra}
     except Exception as e:  # a row that cannot run says why; the others still run
         result = {"row": args.row, "error": f"{type(e).__name__}: {e}"[:2000]}

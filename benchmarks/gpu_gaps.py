@@ -1,0 +1,73 @@
+"""Where the GPU waits: idle gaps between kernels in a profiler chrome trace, and what the CPU was
+doing meanwhile.
+
+A training step whose kernels take 60 ms but whose wall time is 67 ms spent 7 ms with the GPU idle:
+the CPU had not yet launched the next kernel (Python, dispatch, allocation, a synchronizing call).
+For each gap this finds the next kernel's launch and attributes every microsecond of the gap to the
+innermost CPU event running at that time, under the region (`region12:te`) it belongs to.
+
+    python benchmarks/gpu_gaps.py trace.json        # a chrome trace from torch.profiler
+"""
+import collections
+import json
+import sys
+
+import numpy as np
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+CPU_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function"}
+
+
+def idle_gaps(trace: dict, min_gap_us: float = 5.0, top: int = 12) -> list[str]:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    if not gpu:
+        return ["no GPU events in the trace"]
+    cpu = [e for e in events if e.get("cat") in CPU_CATS]
+    starts = np.array([e["ts"] for e in cpu], dtype=np.float64)
+    ends = starts + np.array([e["dur"] for e in cpu], dtype=np.float64)
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in cpu
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    regions = [e for e in cpu if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("region")]
+
+    busy_end, busy, gaps = gpu[0]["ts"] + gpu[0]["dur"], gpu[0]["dur"], []
+    for e in gpu[1:]:
+        if e["ts"] > busy_end + min_gap_us:
+            gaps.append((busy_end, e["ts"], e))
+        busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], busy_end))
+        busy_end = max(busy_end, e["ts"] + e["dur"])
+    span = busy_end - gpu[0]["ts"]
+    by_cause, rows = collections.Counter(), []
+    for a, b, kernel in gaps:
+        launched = launch_ts.get(kernel.get("args", {}).get("correlation"))
+        if launched is not None and launched < a:  # queued before the GPU went idle: a dependency wait
+            by_cause["(queued: waiting on a stream or event)"] += b - a
+            continue
+        inside = np.nonzero((starts < b) & (ends > a))[0]
+        causes = collections.Counter()
+        for t in np.arange(a, b, 1.0):  # 1 us samples: the innermost CPU event at each
+            live = [i for i in inside if starts[i] <= t < ends[i]]
+            if not live:
+                causes["(no CPU event: Python between ops)"] += 1.0
+                continue
+            i = min(live, key=lambda i: ends[i] - starts[i])
+            causes[_label(cpu[i], regions, t)] += 1.0
+        by_cause.update(causes)
+        rows.append((b - a, causes.most_common(1)[0][0] if causes else "?", kernel["name"]))
+    idle = sum(b - a for a, b, _ in gaps)
+    out = [f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle in {len(gaps)} gaps of >{min_gap_us:.0f} us: "
+           f"{idle / 1e3:.2f} ms"]
+    out += ["idle by what the CPU was doing:"] + [f"  {us / 1e3:6.2f} ms  {name[:120]}" for name, us in by_cause.most_common(top)]
+    out += ["largest gaps:"] + [f"  {us:7.0f} us  {cause[:70]}  -> {name[:60]}" for us, cause, name in sorted(rows, reverse=True)[:top]]
+    return out
+
+
+def _label(event: dict, regions: list, t: float) -> str:
+    inside = [r["name"] for r in regions if r["ts"] <= t < r["ts"] + r["dur"]]
+    where = f"[{inside[-1].split(':', 1)[-1]} region] " if inside else ""
+    return where + str(event.get("name", "?"))
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print("\n".join(idle_gaps(json.load(f))))
