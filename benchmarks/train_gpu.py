@@ -43,9 +43,13 @@ def sync():
         torch.cuda.synchronize()
 
 
-ROWS = ["eager", "torch.compile", "pipeline.jit [inductor]", "pipeline.jit [te fp8 delayed, inductor]",
-        "pipeline.jit [te, inductor] bf16", "pipeline.jit [te fp8 delayed, nvfuser, inductor]",
-        "pipeline.jit [te, nvfuser, inductor] bf16", "pipeline.jit [nvfuser, inductor]",
+ROWS = ["eager", "torch.compile", "torch.compile reduce-overhead",
+        "pipeline.jit [inductor]", "pipeline.jit [inductor] + cuda graphs",
+        "pipeline.jit [te fp8 delayed, inductor]", "pipeline.jit [te fp8 delayed, inductor] + cuda graphs",
+        "pipeline.jit [te, inductor] bf16", "pipeline.jit [te, inductor] bf16 + cuda graphs",
+        "pipeline.jit [te fp8 delayed, nvfuser, inductor]", "pipeline.jit [te fp8 delayed, nvfuser, inductor] + cuda graphs",
+        "pipeline.jit [te, nvfuser, inductor] bf16", "pipeline.jit [te, nvfuser, inductor] bf16 + cuda graphs",
+        "pipeline.jit [nvfuser, inductor]", "pipeline.jit [nvfuser, inductor] + cuda graphs",
         "pipeline.jit [te fp8 current, nvfuser, inductor]", "pipeline.jit [te fp8 current, inductor]",
         "pipeline.jit [te fp8 delayed ungrouped, inductor]", "pipeline.jit [inductor] + group_linears"]
 
@@ -54,7 +58,7 @@ def executors_of(name):
     """None for eager, "compile" for torch.compile, else the executor list of a pipeline row."""
     if name == "eager":
         return None
-    if name == "torch.compile":
+    if name.startswith("torch.compile"):
         return "compile"
     import executors
     listed = name[name.index("[") + 1:name.index("]")].split(", ")
@@ -123,10 +127,10 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None):
     if how is None:
         step_fn = model
     elif how == "compile":
-        step_fn = torch.compile(model)
+        step_fn = torch.compile(model, mode="reduce-overhead" if name.endswith("reduce-overhead") else None)
     else:
         from transforms import group_linears
-        step_fn = pipeline.jit(model, executors=how,
+        step_fn = pipeline.jit(model, executors=how, cuda_graphs=name.endswith("+ cuda graphs"),
                                transforms=[group_linears()] if name.endswith("+ group_linears") else [])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
     if DEVICE == "cuda":
@@ -151,7 +155,9 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None):
         # where the first step's compile time went: capture, lower, passes, dispatch, compile:<executor>
         extra["compile_seconds"] = {k: round(v, 1) for k, v in pipeline.compile_stats(step_fn).seconds.items()}
         extra["fp8_gemm_flop_share"] = table.fp8_gemm_flop_share()
-        if profile:
+        if pipeline.compile_stats(step_fn).cuda_graphs:
+            extra["cuda_graphs"] = pipeline.compile_stats(step_fn).cuda_graphs
+        if profile and "cuda_graphs" not in extra:  # replayed graphs have no regions to time
             extra.update(gpu_time_by_executor(step_fn, batches[0]))
             opt.zero_grad(set_to_none=True)  # else the profiled step below adds into these gradients
     if profile:

@@ -30,6 +30,9 @@ class Executor:
     # True when compiled regions may return one of their inputs where the trace has a fresh tensor
     # (a clone compiled to an alias): donation then treats their outputs as sharing inputs' memory.
     outputs_may_alias_inputs: bool = False
+    # False when the executor's kernels cannot be recorded in a CUDA graph (host syncs, allocations
+    # kept across calls): stages with its regions then run without CUDA graphs.
+    cuda_graphs_safe: bool = True
 
     def unavailable_reason(self) -> str | None:
         """None when the executor can run here; otherwise why not (what is missing, how to get it)."""

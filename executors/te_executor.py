@@ -262,7 +262,26 @@ class TEExecutor(Executor):
             node.replace_all_uses_with(first)
             gm.graph.erase_node(node)
         gm.recompile()
+        swapped = [n for n in gm.graph.nodes if n.target is torch.ops.pipeline_te.linear.default]
+        if swapped:
+            self._allocate_state(node_value(swapped[0].args[0]).device)
         return trace.derive(gm, by="te.swap_linears" + ("(fp8)" if self.use_fp8 else "")), notes
+
+    def _allocate_state(self, device: torch.device) -> None:
+        """What the TE ops keep across calls (cuBLAS workspace, quantizers' scales, delayed-scaling
+        history) is allocated now, at compile time: allocated during a first call, it would land in
+        the memory pool of a CUDA graph's warm-up (`cuda_graphs=True`), which must hold only that
+        call's tensors."""
+        if device.type != "cuda" or self.unavailable_reason() is not None:
+            return
+        from transformer_engine.pytorch.cpp_extensions.gemm import get_cublas_workspace
+        with torch.cuda.device(device):
+            get_cublas_workspace(device.index or 0, False, False)
+            if self.use_fp8:
+                for fmt in recipe_formats(self.recipe) if self.recipe is not None else ("e4m3", "e5m2"):
+                    current_quantizer(fmt)
+                if self.scaling is not None:
+                    self.scaling.allocate(device)
 
     def _matmuls_with_a_weight_as_linears(self, gm: fx.GraphModule, specs: dict) -> list[tuple[str, str]]:
         """`x @ W` with W a 2-D parameter becomes `linear(x, W.t().contiguous())` (in place) where TE

@@ -96,6 +96,7 @@ class DelayedScalingState:
         self.forward, self.backward = _Stack(2, fwd), _Stack(1, bwd)  # columns: [x, W] / [dy] per linear
         self.names: dict[str, int] = {}            # linear name (its weight's qualname) -> index
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded before the linear was compiled
+        self.ran: set[int] = set()                 # indices of linears that ran (state worth saving)
         self.handle = next(_ids)
         _STATES[self.handle] = self
         self.warned = False
@@ -122,8 +123,13 @@ class DelayedScalingState:
                 self.forward.cold = self.backward.cold = False
                 self.update()
 
+    def allocate(self, device) -> None:
+        """Buffers for every linear registered so far (at compile time; see TEExecutor.prepare)."""
+        self._ensure(device)
+
     def forward_quantizers(self, index: int, device):
         self._ensure(device)
+        self.ran.add(index)
         if self.forward.cold:
             return current_quantizer(self.forward.fmt), current_quantizer(self.forward.fmt)
         return self.forward.quantizer(2 * index), self.forward.quantizer(2 * index + 1)
@@ -181,7 +187,7 @@ class DelayedScalingState:
                           f"it was saved with")
         out = dict(self.pending)
         for name, i in self.names.items():
-            if 2 * i + 2 > self.forward.scale.numel():  # registered, not run yet
+            if i not in self.ran or 2 * i + 2 > self.forward.scale.numel():  # registered, not run yet
                 continue
             out[name] = {
                 "fp8_scale": torch.cat([self.forward.scale[2 * i:2 * i + 2], self.backward.scale[i:i + 1]]).clone(),
@@ -197,6 +203,7 @@ class DelayedScalingState:
 
     def _load(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         i = self.names[name]
+        self.ran.add(i)  # loaded state is saved again even before the linear runs
         scale, history = tensors["fp8_scale"], tensors["fp8_amax_history"]
         if tuple(history.shape) != (self.recipe.amax_history_len, 3) or scale.numel() != 3:
             raise ValueError(f"te fp8 state of {name}: amax history {tuple(history.shape)} and scales "

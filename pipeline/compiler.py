@@ -24,6 +24,7 @@ from executors import dispatch
 from ir import OutputSpec, Step, Trace
 from transforms import TracePass
 
+from . import cuda_graphs
 from .cache import GraphCache
 from .record import GraphRecord
 from .runtime_wrappers import BoxedStage, graph_wrappers, post_compile_all, pre_compile_all, wrapper_metadata
@@ -149,7 +150,14 @@ class PipelineBackend:
         executed = record.add_trace(execution.trace)
         if cache is not None:
             cache.stage_done(stage, lowered, execution, executed)
-        return BoxedStage().post_compile(executed.module)
+        fn = BoxedStage().post_compile(executed.module)
+        if self.state.cuda_graphs:
+            why_not = cuda_graphs.why_not_recordable(trace, example_inputs, self.state.executors)
+            record.cuda_graphs[stage] = f"off: {why_not}" if why_not else "recorded"
+            if why_not is None:
+                fn = cuda_graphs.record_stage(fn, example_inputs, stage=stage,
+                                              static=cuda_graphs.static_inputs(trace, stage))
+        return fn
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:
         for p in self.state.passes:

@@ -84,6 +84,7 @@ class CompileStats:
     decomposed: dict[str, int]                # op -> how many times it was decomposed
     cache: dict[str, str] = dataclasses.field(default_factory=dict)  # graph id -> hit | miss | off: why
     cache_notes: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (graph id, note)
+    cuda_graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # "g0 forward" -> recorded | off: why
 
     @property
     def cache_hits(self) -> int:
@@ -105,6 +106,7 @@ class CompileStats:
         lines += [f"region {i}: {why}" for i, why in self.region_fallbacks]
         lines += [f"{g}: cache {status}" for g, status in self.cache.items() if status.startswith("off")]
         lines += [f"{g}: cache: {note}" for g, note in self.cache_notes]
+        lines += [f"{g}: CUDA graph {status}" for g, status in self.cuda_graphs.items()]
         if self.decomposed:
             lines.append("decomposed: " + ", ".join(f"{k}×{v}" for k, v in self.decomposed.items()))
         return "\n".join(lines)
@@ -131,7 +133,8 @@ def compile_stats(cm) -> CompileStats:
                           if g.fallback_reason],
         decomposed=dict(decomposed),
         cache={r.graph_id: r.cache for r in state.records if r.cache},
-        cache_notes=[(r.graph_id, n) for r in state.records for n in r.cache_notes])
+        cache_notes=[(r.graph_id, n) for r in state.records for n in r.cache_notes],
+        cuda_graphs={f"{r.graph_id} {stage}": v for r in state.records for stage, v in r.cuda_graphs.items()})
 
 
 @dataclasses.dataclass

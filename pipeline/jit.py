@@ -48,10 +48,12 @@ class CompileState:
     first_shapes: Optional[tuple] = None     # input shapes of the first call (automatic dynamic)
     generalized: bool = False                # whether a shape change already made inputs dynamic
     cache: bool = True                       # use the compiled-artifact cache (pipeline/cache.py)
+    cuda_graphs: bool = False                # record each stage as a CUDA graph (pipeline/cuda_graphs.py)
 
 
 def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transforms: Sequence = (),
-        fullgraph: bool = False, dynamic: Optional[bool] = None, cache: bool = True):
+        fullgraph: bool = False, dynamic: Optional[bool] = None, cache: bool = True,
+        cuda_graphs: bool = False):
     """Compiles `model_or_fn` (an `nn.Module` or a function).
 
     executors: executor objects from `executors` or their names, by priority; ops nobody claims run
@@ -63,6 +65,11 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     dynamic: as in `torch.compile` (None: Dynamo's automatic dynamic shapes).
     cache: look up and store compiled artifacts on disk (`PIPELINE_CACHE_DIR`; `PIPELINE_CACHE=0`
         turns it off everywhere).
+    cuda_graphs: record each compiled stage (forward, backward), all its regions and executors, as
+        one CUDA graph and replay it: the CPU launches one graph instead of every kernel. As with
+        torch.compile's mode="reduce-overhead", the next step overwrites a step's outputs: keep a
+        value across steps with `.item()` or `.clone()`. Stages that cannot be recorded run as usual;
+        `compile_stats(model).cuda_graphs` says which and why.
     """
     if not callable(model_or_fn):
         raise TypeError(f"pipeline.jit needs an nn.Module or a function, got {type(model_or_fn).__name__}")
@@ -74,12 +81,15 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
     if not isinstance(cache, bool):
         raise TypeError(f"cache must be True or False, got {cache!r}")
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
     if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
     resolved = [e.for_model() for e in resolve(executors)]
     passes, replaced = _apply_transforms(model_or_fn, list(transforms))
     state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
-                         fullgraph=fullgraph, replaced=replaced, dynamic=dynamic, cache=cache)
+                         fullgraph=fullgraph, replaced=replaced, dynamic=dynamic, cache=cache,
+                         cuda_graphs=cuda_graphs)
     state.call_hooks = [e.before_call for e in resolved if type(e).before_call is not Executor.before_call]
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)

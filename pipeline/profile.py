@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile as torch_profile
 
 from executors import CompiledRegion
 
-from .inspect import _clip, _summarize, format_table, regions
+from .inspect import _clip, _summarize, compile_stats, format_table, regions
 
 
 @dataclasses.dataclass
@@ -41,6 +41,10 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
     """Runs `cm(*args, **kwargs)` once (and the backward of its output's sum when it requires grad
     and `backward` is set) under the profiler; returns the time per region."""
     cm(*args, **kwargs)  # compile first, so compilation is not profiled
+    recorded = [k for k, v in compile_stats(cm).cuda_graphs.items() if v == "recorded"]
+    if recorded:
+        raise ValueError(f"pipeline.profile times regions one by one, but this model replays CUDA graphs "
+                         f"({', '.join(recorded)}): profile a pipeline.jit of it without cuda_graphs=True")
     use_cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
     CompiledRegion.profiling = True

@@ -26,6 +26,7 @@ def test_non_callable_model_is_an_error():
     (dict(fullgraph="yes"), "fullgraph must be True or False"),
     (dict(dynamic="sometimes"), "dynamic must be None, True or False"),
     (dict(transforms=[3]), "transforms must hold trace passes"),
+    (dict(cuda_graphs="yes"), "cuda_graphs must be True or False"),
 ])
 def test_bad_options_are_errors_naming_them(mlp, kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -121,6 +122,18 @@ def test_compile_stats_report_graphs_and_stage_times(mlp):
         assert stats.seconds[stage] > 0
     cm(torch.randn(2, 16, dtype=torch.float64).float())  # same metadata: no recompile
     assert pipeline.compile_stats(cm).graphs == 1
+
+
+def test_cuda_graphs_off_the_gpu_run_as_usual_and_say_why(mlp):
+    cm = pipeline.jit(mlp, executors=["torch"], cuda_graphs=True)
+    x = torch.randn(2, 16, requires_grad=True)
+    out = cm(x)
+    torch.testing.assert_close(out, mlp(x))
+    out.sum().backward()
+    stats = pipeline.compile_stats(cm)
+    assert set(stats.cuda_graphs) == {"g0 forward", "g0 backward"}
+    assert all(v.startswith("off: inputs on ['cpu']") for v in stats.cuda_graphs.values()), stats.cuda_graphs
+    assert "CUDA graph off: inputs on" in str(stats)
 
 
 def test_recompilation_is_counted(mlp):

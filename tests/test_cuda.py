@@ -72,6 +72,9 @@ def _executors(names):
     for n in names:
         if n == "te-fp8":
             out.append(executors.te.fp8())
+        elif n == "te-fp8-delayed":
+            from transformer_engine.common.recipe import DelayedScaling
+            out.append(executors.te.fp8(DelayedScaling()))
         else:
             out.append(n)
     return out
@@ -213,3 +216,30 @@ def test_te_fp8_delayed_scaling_trains_and_keeps_its_state_in_the_state_dict():
     for k in fp8_keys:
         if "fp8_scale" in k or k.endswith("fp8_amax_history"):
             torch.testing.assert_close(restored[k], continued[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("names", [["inductor"], ["te-fp8-delayed", "inductor"], ["te", "nvfuser", "inductor"]])
+def test_cuda_graphs_train_like_the_same_executors_without_them(names):
+    """`cuda_graphs=True` records each stage once and replays it: four training steps (warm-up,
+    record, two replays) give the losses and gradients of the same executors run region by region,
+    and the replayed step launches CUDA graphs."""
+    _require(*[n for n in names if n != "inductor"])
+    model, plain_model = llama_pair(torch.bfloat16)
+    graphed = pipeline.jit(model, executors=_executors(names), cuda_graphs=True)
+    plain = pipeline.jit(plain_model, executors=_executors(names))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, plain_model)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batches = [torch.randint(0, CONFIG.vocab, (2, 64), device="cuda", generator=g) for _ in range(2)]
+    for i in range(4):
+        loss, ref = step(graphed, batches[i % 2]).item(), step(plain, batches[i % 2]).item()
+        assert abs(loss - ref) <= 1e-3 * abs(ref), (i, loss, ref)
+        assert_grads_close(model, plain_model, 2e-2, 2e-3)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert set(pipeline.compile_stats(graphed).cuda_graphs.values()) == {"recorded"}, pipeline.compile_stats(graphed)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(graphed, batches[0])
+        torch.cuda.synchronize()
+    assert any(e.name == "cudaGraphLaunch" for e in prof.events())

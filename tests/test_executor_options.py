@@ -195,7 +195,8 @@ def test_te_delayed_scaling_resumed_from_a_state_dict_continues_like_the_uninter
     running = DelayedScalingState(DelayedScaling())
     for name in ("a.weight", "b.weight"):
         running.register(name)
-    running._ensure("cpu")
+    running.allocate("cpu")   # at compile time
+    running.ran |= {0, 1}     # both linears ran (their casts are simulated below)
     for step in range(3):  # casts record amaxes in row 0; the next call's update folds them in
         running.update()
         running.forward.history[0] = torch.tensor([2.0, 3.0, 5.0, 7.0]) * (step + 1)
