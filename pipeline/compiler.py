@@ -155,8 +155,7 @@ class PipelineBackend:
             why_not = cuda_graphs.why_not_recordable(trace, example_inputs, self.state.executors)
             record.cuda_graphs[stage] = f"off: {why_not}" if why_not else "recorded"
             if why_not is None:
-                fn = cuda_graphs.record_stage(fn, example_inputs, stage=stage,
-                                              static=cuda_graphs.static_inputs(trace, stage))
+                fn = cuda_graphs.record_stage(fn, trace, example_inputs, stage=stage)
         return fn
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:

@@ -45,14 +45,17 @@ def why_not_recordable(trace: Trace, example_inputs: Sequence, executors) -> Opt
     return None
 
 
-def record_stage(fn: Callable, example_inputs: Sequence, *, stage: str, static: Sequence[int]) -> Callable:
-    """`fn` (a boxed stage: takes the argument list and empties it) recorded and replayed through
-    cudagraph trees. `static`: positions of inputs whose memory stays put between calls
-    (parameters, buffers; saved activations in a backward)."""
+def record_stage(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage: str) -> Callable:
+    """`fn` (a boxed stage running `trace`: takes the argument list and empties it) recorded and
+    replayed through cudagraph trees."""
     from torch._inductor.cudagraph_trees import cudagraphify_impl
+    from torch._inductor.cudagraph_utils import get_placeholder_info
     device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor))
-    run = cudagraphify_impl(fn, list(example_inputs), list(static), device_index=device.index or 0,
-                            is_backward=stage == "backward", is_inference=stage == "inference")
+    graph = trace.module.graph
+    run = cudagraphify_impl(fn, list(example_inputs), static_inputs(trace, stage), device_index=device.index or 0,
+                            is_backward=stage == "backward", is_inference=stage == "inference",
+                            stack_traces=[None] * len(trace.output_values()),  # per output, for its error messages
+                            placeholders=tuple(get_placeholder_info(graph)))
     run._boxed_call = True  # AOTAutograd hands it the argument list, which it empties
     return run
 
