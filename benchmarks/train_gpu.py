@@ -8,6 +8,9 @@ for every row — eager, torch.compile, and pipeline.jit with several executor l
     python benchmarks/train_gpu.py --resume /tmp/rows.json --only eager torch.compile   # one run in
     python benchmarks/train_gpu.py --resume /tmp/rows.json                               # two commands
 
+Rows ending in "+ cuda graphs" jit with `cuda_graphs=True` (each stage replayed as one CUDA graph);
+"torch.compile reduce-overhead" is torch.compile with its CUDA graphs.
+
 Each row runs in its own process with its own empty Inductor and Triton caches (clean peak memory,
 no state or compiled kernel shared between rows), with a time limit (--row-timeout), so one row
 that compiles too long is reported and the others still run.
