@@ -291,16 +291,21 @@ def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple
 
 
 def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
-    """The region re-traced with Inductor's own decompositions, which `compile_fx_inner` expects
-    to have run (inside torch.compile, AOTAutograd applies them)."""
+    """The region re-traced with Inductor's own decompositions, then Inductor's graph-level
+    rewrites (`joint_graph_passes`): inside torch.compile, AOTAutograd applies the first and the
+    partition step the second before `compile_fx_inner` sees a graph. Without the rewrites, NLL's
+    backward keeps `zeros + scatter` (a logits-sized fp32 buffer: 0.98 GiB for a 32k vocabulary at
+    8k tokens) where Inductor would compute the one-hot inline."""
     from torch._guards import detect_fake_mode
     from torch._inductor import config
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = detect_fake_mode(list(example_inputs))
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        return make_fx(gm, decomposition_table=_decompositions(config.fallback_random),
-                       tracing_mode="real")(*example_inputs)
+        traced = make_fx(gm, decomposition_table=_decompositions(config.fallback_random),
+                         tracing_mode="real")(*example_inputs)
+        return joint_graph_passes(traced)
 
 
 _DECOMPOSE_BEFORE_PARTITION = (

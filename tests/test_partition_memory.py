@@ -58,3 +58,21 @@ def test_with_only_torch_log_softmax_stays_whole():
     forward = [t for t in pipeline.last_traces(cm) if t.name.endswith("_forward")][0]  # as lowered
     assert any(n.target is torch.ops.aten._log_softmax.default for n in forward.module.graph.nodes)
     assert [t for t in _saved_for_backward(cm) if _is_logits_sized(t) and t.dtype == torch.float32]
+
+
+def test_inductor_computes_the_nll_gradient_inline_not_in_a_logits_sized_buffer():
+    """NLL's backward decomposes to zeros + scatter: a logits-sized fp32 buffer (0.98 GiB for a 32k
+    vocabulary at 8k tokens) unless Inductor's graph rewrites turn it into an inline one-hot, as
+    inside torch.compile. The Inductor executor runs them on each region it compiles."""
+    from executors.inductor_executor import _inductor_decomposed
+    _, tokens, cm = _jitted([LikeInductor()])
+    cm(tokens).backward()
+    backward = [t for t in pipeline.last_traces(cm) if t.name.endswith("_backward")][-1]  # as executed
+    region = next(m for m in backward.module.children() if hasattr(m, "source")).source
+    before = [n for n in region.graph.nodes if n.target is torch.ops.aten.nll_loss_backward.default
+              or "scatter" in str(n.target)]
+    inputs = [n.meta["val"] for n in region.graph.nodes if n.op == "placeholder"]
+    after = _inductor_decomposed(region, inputs)
+    assert before, "the backward region should compute the NLL gradient"
+    scatters = (torch.ops.aten.scatter.value, torch.ops.aten.scatter.src)
+    assert not [n for n in after.graph.nodes if n.target in scatters], after.code
