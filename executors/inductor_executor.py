@@ -83,7 +83,9 @@ class InductorExecutor(Executor):
         donated = donated_inputs(gm)
         # No channels-last layout choices of Inductor's own: other regions consume these outputs
         # with the strides the trace promises.
-        with config.patch(fallback_random=self.fallback_random, layout_optimization=False), \
+        # No CUDA graphs of its own: `cuda_graphs=True` records whole stages, regions inside them.
+        with config.patch({"fallback_random": self.fallback_random, "layout_optimization": False,
+                           "triton.cudagraphs": False}), \
                 _donating(decomposed, donated):
             compiled = compile_fx_inner(decomposed, list(example_inputs), is_backward=bool(donated))
         return InductorRegion(compiled, gm)

@@ -48,36 +48,51 @@ def recipe_formats(recipe) -> tuple[str, str]:
 
 
 class _Stack:
-    """amax history [L, n] and scales [n] of n tensors of one direction, grown as linears register."""
+    """amax histories [L, n] and scales [n] of the n tensors of one direction, in chunks: linears that
+    register later get a new chunk, and allocated buffers never move (recorded CUDA graphs and the
+    quantizers point at them). A linear's columns always lie in one chunk."""
 
     def __init__(self, per_linear: int, fmt: str):
         self.per_linear, self.fmt = per_linear, fmt
         # Cold until amaxes were recorded and folded into scales: casts then use current scaling
         # (a scale of 1 would flush small values, the gradients, to zero) and record their amaxes.
         self.cold, self.recorded = True, False
-        self.history: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None
-        self.quantizers: dict[int, object] = {}  # column -> quantizer on views of the buffers above
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (history [L, n_k], scale [n_k])
+        self.quantizers: dict[int, object] = {}  # column -> quantizer on views of the buffers
+
+    @property
+    def columns(self) -> int:
+        return sum(scale.numel() for _, scale in self.chunks)
 
     def ensure(self, n_linears: int, history_len: int, device) -> None:
-        n = n_linears * self.per_linear
-        if self.scale is not None and self.scale.numel() >= n:
-            return
-        history = torch.zeros(history_len, n, dtype=torch.float32, device=device)
-        scale = torch.ones(n, dtype=torch.float32, device=device)
-        if self.scale is not None:  # keep what earlier graphs' linears learned
-            old = self.scale.numel()
-            history[:, :old] = self.history
-            scale[:old] = self.scale
-        self.history, self.scale = history, scale
-        self.quantizers.clear()
+        missing = n_linears * self.per_linear - self.columns
+        if missing > 0:
+            self.chunks.append((torch.zeros(history_len, missing, dtype=torch.float32, device=device),
+                                torch.ones(missing, dtype=torch.float32, device=device)))
+
+    def view(self, column: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(history [L, width], scale [width]) of `width` columns from `column`, views of the buffers."""
+        for history, scale in self.chunks:
+            if column < scale.numel():
+                return history[:, column:column + width], scale[column:column + width]
+            column -= scale.numel()
+        raise IndexError(f"te fp8 state: column {column} was never allocated")
+
+    @property
+    def history(self) -> torch.Tensor:
+        """All columns' amax history (a view when there is one chunk; for inspection)."""
+        return self.chunks[0][0] if len(self.chunks) == 1 else torch.cat([h for h, _ in self.chunks], 1)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.chunks[0][1] if len(self.chunks) == 1 else torch.cat([s for _, s in self.chunks])
 
     def quantizer(self, column: int):
         q = self.quantizers.get(column)
         if q is None:
             from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
-            q = Float8Quantizer(self.scale[column], self.history[0][column].reshape(1), te_dtype(self.fmt),
-                                rowwise=True, columnwise=True)
+            history, scale = self.view(column, 1)
+            q = Float8Quantizer(scale[0], history[0], te_dtype(self.fmt), rowwise=True, columnwise=True)
             q.internal = True
             self.quantizers[column] = q
         return q
@@ -107,8 +122,8 @@ class DelayedScalingState:
 
     def _ensure(self, device) -> None:
         n, length = len(self.names), self.recipe.amax_history_len
-        if self.forward.scale is None or self.forward.scale.numel() < 2 * n:
-            first = self.forward.scale is None
+        if self.forward.columns < 2 * n:
+            first = self.forward.columns == 0
             self.forward.ensure(n, length, device)
             self.backward.ensure(n, length, device)
             loaded = False
@@ -155,29 +170,31 @@ class DelayedScalingState:
         """The amax of `t` into the newest history row (the max over the call's uses of the column),
         as a delayed cast records it: measured, since a current-scaling cast of an all-zero tensor
         reports scale 1, not amax 0. An extra reduction, in the cold call only."""
-        row = stack.history[0, column:column + 1]
+        row = stack.view(column, 1)[0][0]
         torch.maximum(row, t.abs().amax().float().reshape(1), out=row)
         stack.recorded = True
 
     def update(self) -> None:
         """New scales from the amaxes recorded since the last update; clears the newest history row."""
         for stack in (self.forward, self.backward):
-            if stack.history is None:
+            if not stack.chunks:
                 continue
             if stack.recorded:  # a direction stays cold until a call of it recorded amaxes
                 stack.cold, stack.recorded = False, False
             try:
                 import transformer_engine_torch as tex
             except ImportError:  # no TE here (CPU tests): the same arithmetic in torch ops
-                _update_reference(stack.history, stack.scale, self.recipe, _FP8_MAX[stack.fmt])
+                for history, scale in stack.chunks:
+                    _update_reference(history, scale, self.recipe, _FP8_MAX[stack.fmt])
                 continue
             tex.fused_amax_and_scale_update_after_reduction(
-                stack.history[0].clone(), [stack.history], [stack.scale], self.recipe.amax_compute_algo,
-                te_dtype(stack.fmt), self.recipe.margin)
+                torch.cat([h[0] for h, _ in stack.chunks]), [h for h, _ in stack.chunks],
+                [s for _, s in stack.chunks], self.recipe.amax_compute_algo, te_dtype(stack.fmt),
+                self.recipe.margin)
 
     # -- state dict: `<module>._extra_state.<attr>_fp8_scale` [x, W, dy] and `..._fp8_amax_history` [L, 3]
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
-        if self.forward.scale is None:
+        if not self.forward.chunks:
             return dict(self.pending)
         if self.pending and not self.warned:
             self.warned = True
@@ -187,16 +204,15 @@ class DelayedScalingState:
                           f"it was saved with")
         out = dict(self.pending)
         for name, i in self.names.items():
-            if i not in self.ran or 2 * i + 2 > self.forward.scale.numel():  # registered, not run yet
+            if i not in self.ran or 2 * i + 2 > self.forward.columns:  # registered, not run yet
                 continue
-            out[name] = {
-                "fp8_scale": torch.cat([self.forward.scale[2 * i:2 * i + 2], self.backward.scale[i:i + 1]]).clone(),
-                "fp8_amax_history": torch.cat([self.forward.history[:, 2 * i:2 * i + 2],
-                                               self.backward.history[:, i:i + 1]], dim=1).clone()}
+            (fh, fs), (bh, bs) = self.forward.view(2 * i, 2), self.backward.view(i, 1)
+            out[name] = {"fp8_scale": torch.cat([fs, bs]).clone(),
+                         "fp8_amax_history": torch.cat([fh, bh], dim=1).clone()}
         return out
 
     def load(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        if self.forward.scale is not None and name in self.names:
+        if self.forward.chunks and name in self.names and 2 * self.names[name] + 2 <= self.forward.columns:
             self._load(name, tensors)
         else:
             self.pending[name] = tensors
@@ -209,10 +225,11 @@ class DelayedScalingState:
             raise ValueError(f"te fp8 state of {name}: amax history {tuple(history.shape)} and scales "
                              f"{tuple(scale.shape)} do not fit this recipe (amax_history_len="
                              f"{self.recipe.amax_history_len}, expected ({self.recipe.amax_history_len}, 3) and (3,))")
-        self.forward.scale[2 * i:2 * i + 2].copy_(scale[:2])
-        self.backward.scale[i:i + 1].copy_(scale[2:])
-        self.forward.history[:, 2 * i:2 * i + 2].copy_(history[:, :2])
-        self.backward.history[:, i:i + 1].copy_(history[:, 2:])
+        (fh, fs), (bh, bs) = self.forward.view(2 * i, 2), self.backward.view(i, 1)
+        fs.copy_(scale[:2])
+        bs.copy_(scale[2:])
+        fh.copy_(history[:, :2])
+        bh.copy_(history[:, 2:])
 
 
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}

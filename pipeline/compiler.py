@@ -152,10 +152,8 @@ class PipelineBackend:
             cache.stage_done(stage, lowered, execution, executed)
         fn = BoxedStage().post_compile(executed.module)
         if self.state.cuda_graphs:
-            why_not = cuda_graphs.why_not_recordable(trace, example_inputs, self.state.executors)
-            record.cuda_graphs[stage] = f"off: {why_not}" if why_not else "recorded"
-            if why_not is None:
-                fn = cuda_graphs.record_stage(fn, trace, example_inputs, stage=stage)
+            fn = cuda_graphs.stage_callable(fn, trace, example_inputs, stage=stage, record=record,
+                                            executors=self.state.executors)
         return fn
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:

@@ -10,11 +10,12 @@ first call of a stage runs normally (warm-up: Triton autotuning, TE's and cuBLAS
 next records, later calls replay; parameters and saved activations stay where they are, other inputs
 are copied into the graph's own buffers; forward and backward share one memory pool. Its rules are
 torch.compile's: an output of a replay is overwritten by the next replay of that stage (keep a value
-across steps with `.clone()` or `.item()`), and a new input shape records a new graph.
+across steps with `.clone()` or `.item()`), and each input shape has its own graph (`cuda_graphs=True`
+compiles with `dynamic=False` unless told otherwise; a stage with dynamic shapes is not recorded).
 
-A stage that cannot be recorded (inputs off the GPU, a mutated input, dynamic shapes, an executor
-whose kernels cannot be captured) runs as before, and the reason is recorded
-(`pipeline.compile_stats(model).cuda_graphs`).
+A stage that cannot be recorded (a value off the GPU, a mutated input, dynamic shapes, an op with a
+data-dependent size, an executor whose kernels cannot be captured) runs region by region, and the
+reason is recorded (`pipeline.compile_stats(model).cuda_graphs`: "on" or "off: why").
 """
 from __future__ import annotations
 
@@ -26,19 +27,49 @@ import torch.fx as fx
 from ir import Trace
 
 
+def stage_callable(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage: str, record,
+                   executors) -> Callable:
+    """`fn` (a boxed stage running `trace`) recorded as a CUDA graph when it can be, else `fn`; the
+    decision goes into `record.cuda_graphs[stage]`. As inside torch.compile, a graph's forward and
+    backward are decided together: a backward is not recorded when its forward is not (its saved
+    activations would not stay put), and a backward that cannot be recorded tells the graph tree that
+    it ran, or the tree would wait for it forever and never start a new step."""
+    why_not = why_not_recordable(trace, example_inputs, executors)
+    forward = record.cuda_graphs.get("forward")
+    if stage == "backward" and why_not is None and forward is not None and forward != "on":
+        why_not = "its forward is not recorded"
+    record.cuda_graphs[stage] = "on" if why_not is None else f"off: {why_not}"
+    if why_not is None:
+        return record_stage(fn, trace, example_inputs, stage=stage)
+    if stage == "backward" and forward == "on":
+        return _telling_the_tree(fn, _device_of(trace).index or 0)
+    return fn
+
+
 def why_not_recordable(trace: Trace, example_inputs: Sequence, executors) -> Optional[str]:
     """None when the stage can be recorded as a CUDA graph, else the reason it cannot."""
-    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
-    if not torch.cuda.is_available() or not devices or any(d.type != "cuda" for d in devices):
-        return f"inputs on {sorted(str(d) for d in devices) or 'no device'}: CUDA graphs need every input on the GPU"
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+    if not torch.cuda.is_available():
+        return "no CUDA device here"
+    devices: dict[torch.device, str] = {}
+    for node in trace.module.graph.nodes:  # every value, not only the inputs (a CPU-offloaded save)
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            devices.setdefault(value.device, node.name)
+    cpu = [f"{name} on {d}" for d, name in devices.items() if d.type != "cuda"]
+    if cpu or not devices:
+        return f"a value off the GPU ({', '.join(cpu) or 'no tensors'}): CUDA graphs capture GPU work only"
     if len(devices) > 1:
-        return f"inputs on several GPUs {sorted(str(d) for d in devices)}"
+        return f"values on several GPUs {sorted(str(d) for d in devices)}"
     if any(isinstance(v, torch.SymInt) for v in example_inputs) or any(
             isinstance(t, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in t.shape) for t in example_inputs):
-        return "dynamic shapes (each size would record its own graph); use dynamic=False"
+        return "dynamic shapes (each size would need its own graph); use dynamic=False"
     unsafe = sorted(e.name for e in executors if not e.cuda_graphs_safe)
     if unsafe:
         return f"executor(s) {unsafe} launch kernels that a CUDA graph cannot capture"
+    bad = get_first_incompatible_cudagraph_node(trace.module)
+    if bad is not None:
+        return f"{bad.name} ({bad.target}) cannot be captured (data-dependent size or marked unsafe)"
     mutated = _mutated_inputs(trace.module)
     if mutated:
         return f"the stage writes into its inputs {mutated[:3]}"
@@ -50,22 +81,40 @@ def record_stage(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage:
     replayed through cudagraph trees."""
     from torch._inductor.cudagraph_trees import cudagraphify_impl
     from torch._inductor.cudagraph_utils import get_placeholder_info
-    device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor))
-    graph = trace.module.graph
-    run = cudagraphify_impl(fn, list(example_inputs), static_inputs(trace, stage), device_index=device.index or 0,
+    run = cudagraphify_impl(fn, list(example_inputs), static_inputs(trace, stage),
+                            device_index=_device_of(trace).index or 0,
                             is_backward=stage == "backward", is_inference=stage == "inference",
                             stack_traces=[None] * len(trace.output_values()),  # per output, for its error messages
-                            placeholders=tuple(get_placeholder_info(graph)))
+                            placeholders=tuple(get_placeholder_info(trace.module.graph)))
     run._boxed_call = True  # AOTAutograd hands it the argument list, which it empties
     return run
 
 
 def static_inputs(trace: Trace, stage: str) -> list[int]:
     """Inputs at the same address on every call: parameters and buffers; in a backward, everything
-    but the tangents (the saved activations come from the recorded forward)."""
+    but the tangents and RNG seeds (the saved activations come from the recorded forward)."""
     if stage == "backward":
-        return [i for i, s in enumerate(trace.inputs) if s.kind != "tangent"]
+        moving = ("tangents", "bwd_seed", "bwd_base_offset", "bwd_rng_state")
+        return [i for i, s in enumerate(trace.inputs) if s.kind != "tangent" and not any(m in s.name for m in moving)]
     return [i for i, s in enumerate(trace.inputs) if s.kind in ("parameter", "buffer")]
+
+
+def _telling_the_tree(fn: Callable, device_index: int) -> Callable:
+    from torch._inductor.cudagraph_trees import get_manager
+
+    def run(args: list):
+        manager = get_manager(device_index, create_if_none_exists=False)
+        if manager is not None:
+            manager.set_to_running_backward()
+        return fn(args)
+    run._boxed_call = True
+    return run
+
+
+def _device_of(trace: Trace) -> torch.device:
+    return next((n.meta["val"].device for n in trace.module.graph.nodes
+                 if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cuda"),
+                torch.device("cuda", 0))
 
 
 def _mutated_inputs(gm: fx.GraphModule) -> list[str]:
@@ -75,7 +124,10 @@ def _mutated_inputs(gm: fx.GraphModule) -> list[str]:
         schema = getattr(node.target, "_schema", None)
         if node.op != "call_function" or schema is None or not schema.is_mutable:
             continue
-        for arg, value in zip(schema.arguments, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write and value in placeholders:
+        bound = {**dict(zip((a.name for a in schema.arguments), node.args)), **node.kwargs}
+        for arg in schema.arguments:
+            value = bound.get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node) \
+                    and value in placeholders:
                 out.append(value.name)
     return out

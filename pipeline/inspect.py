@@ -84,7 +84,7 @@ class CompileStats:
     decomposed: dict[str, int]                # op -> how many times it was decomposed
     cache: dict[str, str] = dataclasses.field(default_factory=dict)  # graph id -> hit | miss | off: why
     cache_notes: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (graph id, note)
-    cuda_graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # "g0 forward" -> recorded | off: why
+    cuda_graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # "g0 forward" -> on | off: why
 
     @property
     def cache_hits(self) -> int:

@@ -68,7 +68,8 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     cuda_graphs: record each compiled stage (forward, backward), all its regions and executors, as
         one CUDA graph and replay it: the CPU launches one graph instead of every kernel. As with
         torch.compile's mode="reduce-overhead", the next step overwrites a step's outputs: keep a
-        value across steps with `.item()` or `.clone()`. Stages that cannot be recorded run as usual;
+        value across steps with `.item()` or `.clone()`. Each input shape compiles and records its
+        own graphs (`dynamic` defaults to False). Stages that cannot be recorded run as usual;
         `compile_stats(model).cuda_graphs` says which and why.
     """
     if not callable(model_or_fn):
@@ -85,6 +86,8 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
     if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
+    if cuda_graphs and dynamic is None:
+        dynamic = False  # one graph per input shape (a stage with dynamic shapes cannot be recorded)
     resolved = [e.for_model() for e in resolve(executors)]
     passes, replaced = _apply_transforms(model_or_fn, list(transforms))
     state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
@@ -142,6 +145,9 @@ def _call(runner, state: CompileState, args, kwargs):
         _generalize_on_shape_change(state, args, kwargs)
     for hook in state.call_hooks:
         hook()
+    if state.cuda_graphs and isinstance(runner, GradCapture):
+        # a new step for the CUDA graph trees, which count Dynamo's frame entries; this path has none
+        torch._dynamo.mutation_guard.GenerationTracker.generation += 1
     n_records = len(state.records)
     breaks_before = _raw_break_counts(counters)  # cheap copies; parsed only if this call compiled
     start = time.perf_counter()

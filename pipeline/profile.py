@@ -41,7 +41,7 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
     """Runs `cm(*args, **kwargs)` once (and the backward of its output's sum when it requires grad
     and `backward` is set) under the profiler; returns the time per region."""
     cm(*args, **kwargs)  # compile first, so compilation is not profiled
-    recorded = [k for k, v in compile_stats(cm).cuda_graphs.items() if v == "recorded"]
+    recorded = [k for k, v in compile_stats(cm).cuda_graphs.items() if v == "on"]
     if recorded:
         raise ValueError(f"pipeline.profile times regions one by one, but this model replays CUDA graphs "
                          f"({', '.join(recorded)}): profile a pipeline.jit of it without cuda_graphs=True")

