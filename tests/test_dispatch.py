@@ -85,6 +85,25 @@ def test_regions_are_cycle_free():
         ("pw", ["sin"]), ("torch", ["cumsum"]), ("pw", ["mul", "cos"])]
 
 
+def late_use(x):
+    a = x.sin()           # claimed, used right away
+    b = a.cumsum(0)       # not claimed: a barrier
+    c = x.exp()           # claimed, depends only on the input but used after the barrier
+    return b * c          # claimed
+
+
+def test_an_op_joins_the_region_of_its_first_consumer():
+    """Grouping by barrier depth places `exp` with the multiply that needs it, after the cumsum, not
+    in the first region: a value computed early would stay alive across the barrier (in a backward,
+    every layer's recomputed activations at once)."""
+    ex = Claiming("pw", tag=torch.Tag.pointwise)
+    cf = pipeline.jit(late_use, executors=[ex])
+    x = torch.randn(6)
+    assert torch.equal(cf(x), late_use(x))
+    assert [(r.executor, r.ops) for r in pipeline.regions(cf)] == [
+        ("pw", ["sin"]), ("torch", ["cumsum"]), ("pw", ["exp", "mul"])]
+
+
 def test_operator_executor_gets_one_region_per_op():
     ex = Claiming("ops", [aten.sin.default, aten.mul.Tensor, aten.cos.default], kind="operator")
     cf = pipeline.jit(diamond, executors=[ex])
