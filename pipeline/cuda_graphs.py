@@ -49,7 +49,7 @@ def stage_callable(fn: Callable, trace: Trace, example_inputs: Sequence, *, stag
 def why_not_recordable(trace: Trace, example_inputs: Sequence, executors) -> Optional[str]:
     """None when the stage can be recorded as a CUDA graph, else the reason it cannot."""
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
-    if not torch.cuda.is_available():
+    if not _cuda_available():
         return "no CUDA device here"
     devices: dict[torch.device, str] = {}
     for node in trace.module.graph.nodes:  # every value, not only the inputs (a CPU-offloaded save)
@@ -97,6 +97,10 @@ def static_inputs(trace: Trace, stage: str) -> list[int]:
         moving = ("tangents", "bwd_seed", "bwd_base_offset", "bwd_rng_state")
         return [i for i, s in enumerate(trace.inputs) if s.kind != "tangent" and not any(m in s.name for m in moving)]
     return [i for i, s in enumerate(trace.inputs) if s.kind in ("parameter", "buffer")]
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
 
 
 def _telling_the_tree(fn: Callable, device_index: int) -> Callable:
