@@ -2,7 +2,9 @@
 
 Key: a hash of the captured graph (its code and input metadata), the trace passes (each pass's
 qualified name and a hash of its source and closure), the model-changing transforms, the executors
-(names and `cache_token`s) and the torch and Python versions. A pass that sets `cacheable = False`
+(names and `cache_token`s), the torch and Python versions, and a hash of the pipeline's own source
+(`ir`, `executors`, `pipeline`, `transforms`: a change to how regions are formed or compiled must not
+load artifacts built the old way). A pass that sets `cacheable = False`
 (see `uncached`), or whose source cannot be read, turns the cache off for the graph, with the reason.
 
 Entry: per stage the execution trace (printed) and its regions, the runtime wrappers' metadata, and
@@ -17,6 +19,7 @@ its payload: a corrupt or truncated entry is reported with one warning and the g
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -65,7 +68,8 @@ def disabled_reason(option: bool) -> Optional[str]:
 # -- the key --------------------------------------------------------------------------------------
 def graph_key(gm, example_inputs, state) -> str:
     """The hash naming a captured graph's entry; raises `Uncacheable`."""
-    parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}", gm.code]
+    parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}",
+             f"pipeline {pipeline_source_hash()}", gm.code]
     parts += [value_signature(v) for v in example_inputs]
     parts += [f"owner {state.owners.get(id(v))}" for v in example_inputs]
     parts += [pass_identity(p) for p in state.passes]
@@ -74,6 +78,21 @@ def graph_key(gm, example_inputs, state) -> str:
         parts.append(f"replaced {qualname} {stable_repr(r.transform)} "
                      f"{[(s, value_signature(t)) for s, t in r.tensors.items()]}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+@functools.cache
+def pipeline_source_hash() -> str:
+    """SHA-256 over the source files of the pipeline's packages, read once per process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for package in ("ir", "executors", "pipeline", "transforms"):
+        for folder, _, files in sorted(os.walk(os.path.join(root, package))):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
 
 
 def pass_identity(p) -> str:

@@ -193,6 +193,18 @@ def test_a_pass_closure_change_is_a_different_entry(mlp):
     assert not torch.equal(out_a, out_b) and len(entries()) == 2
 
 
+def test_a_change_to_the_pipeline_source_is_a_different_entry(mlp, monkeypatch):
+    """Artifacts built by another version of the pipeline (how regions are formed, how an executor
+    compiles them) are not loaded."""
+    import pipeline.cache
+    assert len(pipeline.cache.pipeline_source_hash()) == 64
+    x = torch.randn(4, 16)
+    compile_and_step(mlp, x)
+    monkeypatch.setattr(pipeline.cache, "pipeline_source_hash", lambda: "another version")
+    changed, _, _ = compile_and_step(mlp, x)
+    assert pipeline.compile_stats(changed).cache == {"g0": "miss"} and len(entries()) == 2
+
+
 def test_executor_without_artifacts_still_caches_the_graph_and_says_so(mlp):
     from executors import Executor
 
