@@ -167,9 +167,10 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None):
         # where the first step's compile time went: capture, lower, passes, dispatch, compile:<executor>
         extra["compile_seconds"] = {k: round(v, 1) for k, v in pipeline.compile_stats(step_fn).seconds.items()}
         extra["fp8_gemm_flop_share"] = table.fp8_gemm_flop_share()
-        if pipeline.compile_stats(step_fn).cuda_graphs:
-            extra["cuda_graphs"] = pipeline.compile_stats(step_fn).cuda_graphs
-        if profile and "cuda_graphs" not in extra:  # replayed graphs have no regions to time
+        graphs = pipeline.compile_stats(step_fn).cuda_graphs
+        if graphs:
+            extra["cuda_graphs"] = graphs
+        if profile and "on" not in graphs.values():  # replayed graphs have no regions to time
             extra.update(gpu_time_by_executor(step_fn, batches[0]))
             opt.zero_grad(set_to_none=True)  # else the profiled step below adds into these gradients
     if profile:

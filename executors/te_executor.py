@@ -237,6 +237,7 @@ class TEExecutor(Executor):
         notes = []
         specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], trace.inputs))  # what each input is
         notes += self._matmuls_with_a_weight_as_linears(gm, specs)
+        device = None  # of the linears swapped, for the state allocated below
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target not in _LINEARS:
                 continue
@@ -255,6 +256,7 @@ class TEExecutor(Executor):
                                               (x, w, b, self.use_fp8, scaling, index))
                 first = gm.graph.call_function(operator.getitem, (call, 0))
             y = node_value(node)
+            device = y.device
             call.meta["val"] = [y]
             first.meta["val"] = y
             if "example_value" in node.meta:
@@ -262,9 +264,8 @@ class TEExecutor(Executor):
             node.replace_all_uses_with(first)
             gm.graph.erase_node(node)
         gm.recompile()
-        swapped = [n for n in gm.graph.nodes if n.target is torch.ops.pipeline_te.linear.default]
-        if swapped:
-            self._allocate_state(node_value(swapped[0].args[0]).device)
+        if device is not None:
+            self._allocate_state(device)
         return trace.derive(gm, by="te.swap_linears" + ("(fp8)" if self.use_fp8 else "")), notes
 
     def _allocate_state(self, device: torch.device) -> None:

@@ -78,15 +78,6 @@ class _Stack:
             column -= scale.numel()
         raise IndexError(f"te fp8 state: column {column} was never allocated")
 
-    @property
-    def history(self) -> torch.Tensor:
-        """All columns' amax history (a view when there is one chunk; for inspection)."""
-        return self.chunks[0][0] if len(self.chunks) == 1 else torch.cat([h for h, _ in self.chunks], 1)
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self.chunks[0][1] if len(self.chunks) == 1 else torch.cat([s for _, s in self.chunks])
-
     def quantizer(self, column: int):
         q = self.quantizers.get(column)
         if q is None:
@@ -120,7 +111,9 @@ class DelayedScalingState:
         """The index of the linear named `name` (a weight used by several linears shares its state)."""
         return self.names.setdefault(name, len(self.names))
 
-    def _ensure(self, device) -> None:
+    def allocate(self, device) -> None:
+        """Buffers for every linear registered so far: at compile time (TEExecutor.prepare), and at a
+        cast in case a linear registered since (loaded state waiting for it is put in place)."""
         n, length = len(self.names), self.recipe.amax_history_len
         if self.forward.columns < 2 * n:
             first = self.forward.columns == 0
@@ -138,19 +131,15 @@ class DelayedScalingState:
                 self.forward.cold = self.backward.cold = False
                 self.update()
 
-    def allocate(self, device) -> None:
-        """Buffers for every linear registered so far (at compile time; see TEExecutor.prepare)."""
-        self._ensure(device)
-
     def forward_quantizers(self, index: int, device):
-        self._ensure(device)
+        self.allocate(device)
         self.ran.add(index)
         if self.forward.cold:
             return current_quantizer(self.forward.fmt), current_quantizer(self.forward.fmt)
         return self.forward.quantizer(2 * index), self.forward.quantizer(2 * index + 1)
 
     def backward_quantizer(self, index: int, device):
-        self._ensure(device)
+        self.allocate(device)
         if self.backward.cold:
             return current_quantizer(self.backward.fmt)
         return self.backward.quantizer(index)
@@ -204,7 +193,7 @@ class DelayedScalingState:
                           f"it was saved with")
         out = dict(self.pending)
         for name, i in self.names.items():
-            if i not in self.ran or 2 * i + 2 > self.forward.columns:  # registered, not run yet
+            if i not in self.ran:  # registered, not run yet
                 continue
             (fh, fs), (bh, bs) = self.forward.view(2 * i, 2), self.backward.view(i, 1)
             out[name] = {"fp8_scale": torch.cat([fs, bs]).clone(),
@@ -212,7 +201,7 @@ class DelayedScalingState:
         return out
 
     def load(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        if self.forward.chunks and name in self.names and 2 * self.names[name] + 2 <= self.forward.columns:
+        if name in self.names and 2 * self.names[name] + 2 <= self.forward.columns:
             self._load(name, tensors)
         else:
             self.pending[name] = tensors

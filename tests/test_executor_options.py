@@ -199,8 +199,8 @@ def test_te_delayed_scaling_resumed_from_a_state_dict_continues_like_the_uninter
     running.ran |= {0, 1}     # both linears ran (their casts are simulated below)
     for step in range(3):  # casts record amaxes in row 0; the next call's update folds them in
         running.update()
-        running.forward.history[0] = torch.tensor([2.0, 3.0, 5.0, 7.0]) * (step + 1)
-        running.backward.history[0] = torch.tensor([11.0, 13.0]) * (step + 1)
+        running.forward.view(0, 4)[0][0] = torch.tensor([2.0, 3.0, 5.0, 7.0]) * (step + 1)
+        running.backward.view(0, 2)[0][0] = torch.tensor([11.0, 13.0]) * (step + 1)
     saved = running.state()
     assert set(saved) == {"a.weight", "b.weight"} and saved["a.weight"]["fp8_amax_history"].shape == (4, 3)
 
@@ -210,12 +210,12 @@ def test_te_delayed_scaling_resumed_from_a_state_dict_continues_like_the_uninter
     for name in ("a.weight", "b.weight"):
         resumed.register(name)
     resumed.update()                    # the first call's update: nothing allocated yet
-    resumed._ensure("cpu")              # the first cast: allocates, loads, folds the amaxes in
+    resumed.allocate("cpu")              # the first cast: allocates, loads, folds the amaxes in
     running.update()                    # the uninterrupted run's next call
     for name, tensors in running.state().items():
         for key, value in tensors.items():
             assert torch.equal(resumed.state()[name][key], value), (name, key)
-    torch.testing.assert_close(running.forward.scale[:2], torch.tensor([448.0 / 6, 448.0 / 9]))  # max over history
+    torch.testing.assert_close(running.forward.view(0, 2)[1], torch.tensor([448.0 / 6, 448.0 / 9]))  # max over history
 
 
 def test_te_leaves_a_matmul_it_cannot_take_alone_with_the_reason(monkeypatch):
@@ -267,24 +267,24 @@ def test_te_delayed_scaling_casts_with_current_scaling_until_amaxes_are_recorded
     state.update()                                       # a second forward before any backward
     assert not state.forward.cold and state.backward.cold
     assert state.backward_quantizer(index, "cpu") == "current e5m2"
-    torch.testing.assert_close(state.forward.scale, torch.tensor([448.0 / 4.0, 448.0 / 0.5]))
+    torch.testing.assert_close(state.forward.view(0, 2)[1], torch.tensor([448.0 / 4.0, 448.0 / 0.5]))
     state.recorded_backward(index, torch.zeros(3))       # an all-zero gradient: amax 0, scale kept
     state.recorded_backward(index, torch.full((3,), 1e-6))
     state.update()
     assert not state.backward.cold                       # casts now use the delayed quantizers
-    torch.testing.assert_close(state.backward.scale, torch.tensor([57344.0 / 1e-6]))
+    torch.testing.assert_close(state.backward.view(0, 1)[1], torch.tensor([57344.0 / 1e-6]))
 
     zero = DelayedScalingState(DelayedScaling())
     zero.register("z.weight")
-    zero._ensure("cpu")
+    zero.allocate("cpu")
     zero.recorded_backward(0, torch.zeros(3))
     zero.update()
-    torch.testing.assert_close(zero.backward.history[:, 0], torch.zeros(4))   # nothing pinned
+    torch.testing.assert_close(zero.backward.view(0, 1)[0][:, 0], torch.zeros(4))   # nothing pinned
 
     resumed = DelayedScalingState(DelayedScaling())
     resumed.load("a.weight", state.state()["a.weight"])
     resumed.register("a.weight")
-    resumed._ensure("cpu")
+    resumed.allocate("cpu")
     assert not resumed.forward.cold and not resumed.backward.cold
 
 
@@ -303,7 +303,7 @@ def test_te_delayed_scaling_warns_when_loaded_state_matches_no_linear():
     for name in ("attn.wq.weight", "attn.wk.weight"):
         state.load(name, dict(tensors))
     state.register("attn.wq.weight")
-    state._ensure("cpu")
+    state.allocate("cpu")
     with pytest.warns(UserWarning, match=r"attn\.wk\.weight.*group_linears"):
         saved = state.state()
     assert set(saved) == {"attn.wq.weight", "attn.wk.weight"}
@@ -337,6 +337,7 @@ def test_te_delayed_scaling_state_grows_without_moving_its_buffers():
     b_history, _ = state.forward.view(2, 2)
     b_history[0] = torch.tensor([8.0, 16.0])
     state.update()
-    torch.testing.assert_close(state.forward.scale, torch.tensor([448.0 / 2, 448.0 / 4, 448.0 / 8, 448.0 / 16]))
+    torch.testing.assert_close(torch.cat([state.forward.view(0, 2)[1], state.forward.view(2, 2)[1]]),
+                               torch.tensor([448.0 / 2, 448.0 / 4, 448.0 / 8, 448.0 / 16]))
     state.ran |= {0, 1}
     assert set(state.state()) == {"a.weight", "b.weight"}
