@@ -62,6 +62,34 @@ def idle_gaps(trace: dict, min_gap_us: float = 5.0, top: int = 12) -> list[str]:
     return out
 
 
+# kernel name patterns, first match wins: what kind of work a GPU kernel is
+KERNEL_KINDS = [
+    ("attention", r"cudnn|flash|fmha|attention|sdpa"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|wgmma"),
+    ("optimizer", r"multi_tensor|adam"),
+    ("te cast/quantize", r"transformer_engine|cast_transpose|quantize|amax|fp8"),
+    ("inductor (triton)", r"^triton_"),
+    ("nvfuser", r"nvfuser|^kernel[0-9]*$|CudaCodeGen"),
+    ("aten reductions/index", r"reduce_kernel|index|scatter|gather|embedding|sort|radix|cub::"),
+    ("aten elementwise/copy", r"elementwise|vectorized|unrolled|copy|fill|memset|memcpy"),
+]
+
+
+def kernel_kinds(trace: dict) -> list[str]:
+    """GPU time of one traced step by kind of kernel (GEMM, attention, Inductor, nvFuser, TE casts,
+    optimizer, ...), from the trace's kernel events, so two rows' steps compare kind by kind."""
+    import re
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    by, count = collections.Counter(), collections.Counter()
+    for e in events:
+        kind = next((k for k, pat in KERNEL_KINDS if re.search(pat, e["name"], re.I)), "other")
+        by[kind] += e["dur"]
+        count[kind] += 1
+    total = sum(by.values())
+    return [f"kernels {total / 1e3:.2f} ms in {sum(count.values())} launches"] + [
+        f"  {us / 1e3:7.2f} ms x{count[k]:<5} {k}" for k, us in by.most_common()]
+
+
 def _label(event: dict, regions: list, t: float) -> str:
     inside = [r["name"] for r in regions if r["ts"] <= t < r["ts"] + r["dur"]]
     where = f"[{inside[-1].split(':', 1)[-1]} region] " if inside else ""
@@ -70,4 +98,5 @@ def _label(event: dict, regions: list, t: float) -> str:
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        print("\n".join(idle_gaps(json.load(f))))
+        trace = json.load(f)
+    print("\n".join(kernel_kinds(trace) + idle_gaps(trace)))

@@ -101,14 +101,14 @@ def gpu_time_by_executor(step_fn, tokens):
             "top_regions": [f"{r.id} {r.stage} {r.executor} {r.ms:.2f}ms x{r.calls}: {r.ops}" for r in top]}
 
 
-def top_kernels(step, n=15, trace_file=None):
+def top_kernels(step, n=30, trace_file=None):
     """The GPU kernels of one training step by total time: which kernels an executor launches, how
     often, and what they cost (e.g. TE's casts and GEMMs); then where the GPU sat idle and what the
     CPU was doing meanwhile (`gpu_gaps.py`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from executors.plan import CompiledRegion
-    from gpu_gaps import idle_gaps
+    from gpu_gaps import idle_gaps, kernel_kinds
     CompiledRegion.profiling = True  # regions as named ranges, to attribute idle time to them
     try:
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])) as prof:
@@ -128,7 +128,8 @@ def top_kernels(step, n=15, trace_file=None):
         path = trace_file or os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return kernels, idle_gaps(json.load(f))
+            trace = json.load(f)
+        return kernels, kernel_kinds(trace) + idle_gaps(trace)
 
 
 def run_row(name, how, config, batches, profile=False, args_trace_dir=None):
