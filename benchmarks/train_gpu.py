@@ -96,7 +96,7 @@ def gpu_time_by_executor(step_fn, tokens):
     by = collections.Counter()
     for r in table:
         by[f"{r.stage}:{r.executor}"] += r.ms
-    top = sorted(table, key=lambda r: -r.ms)[:6]
+    top = sorted(table, key=lambda r: -r.ms)[:10]
     return {"ms_by_stage_executor": {k: round(v, 2) for k, v in by.most_common()},
             "top_regions": [f"{r.id} {r.stage} {r.executor} {r.ms:.2f}ms x{r.calls}: {r.ops}" for r in top]}
 

@@ -56,6 +56,12 @@ def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
     depth: dict[fx.Node, int] = {}
     for node in reversed(gm.graph.nodes):
         depth[node] = max((depth[u] + is_barrier(u) for u in node.users), default=0)
+    # An element of a multi-output op stays with the op: a tuple never crosses a region boundary
+    # (Inductor takes and returns tensors only). The op's depth is at least its elements', so the
+    # edges out of the element still never climb and the groups stay cycle-free.
+    for node in gm.graph.nodes:
+        if node.target is operator.getitem and node.args[0] in assigned:
+            depth[node] = depth[node.args[0]]
     groups: dict[int, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node in assigned:

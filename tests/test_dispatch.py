@@ -219,3 +219,23 @@ def test_inductor_declines_regions_with_nothing_to_fuse():
                            for r in matmuls)
     assert {r.executor for r in table} == {"pointwise", "torch"}
     assert "torch (declined)" in str(table) and "(fallback)" not in str(table)
+
+
+def saved_statistic(x):
+    var, mean = torch.var_mean(x, dim=0)   # claimed; `var` only reaches the output
+    b = mean.cumsum(0)                     # not claimed: a barrier
+    return b * 2, var                      # claimed
+
+
+def test_elements_of_a_multi_output_op_stay_in_its_region():
+    """A tuple never crosses regions: `var` only reaches the output (as a saved activation does), so
+    by depth alone its getitem would join the last region, which would then take var_mean's whole
+    tuple as an input — Inductor compiles tensors in and tensors out only, and fell back to torch for
+    every attention region of a Llama this way (the backward's saved logsumexp)."""
+    ex = Claiming("fuse", [aten.var_mean.correction, aten.mul.Tensor])
+    cf = pipeline.jit(saved_statistic, executors=[ex])
+    x = torch.randn(5, 6)
+    for got, want in zip(cf(x), saved_statistic(x)):
+        assert torch.allclose(got, want)
+    import operator
+    assert ex.received == [[aten.var_mean.correction, operator.getitem, operator.getitem], [aten.mul.Tensor]]
