@@ -105,9 +105,17 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
         mark_donated_inputs(gm, donated, {e.name for e in order if e.outputs_may_alias_inputs})
     by_name = {e.name: e for e in order}
     regions, loaded, uncached = [], set(), []
+    compiled: dict[str, tuple[Callable, Region]] = {}  # structure_key -> the first region built
     for k, (sub_name, ex_name) in enumerate(named):
         source = gm.get_submodule(sub_name)
         region = _describe(source, first_region_id + k, stage, ex_name, graph_id)
+        twin_key = structure_key(source, ex_name)
+        if twin_key in compiled:  # the same region one layer down: run the code built for the first
+            fn, first = compiled[twin_key]
+            region.executor, region.fallback_reason, region.compiled_as = first.executor, first.fallback_reason, first.id
+            gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
+            regions.append(region)
+            continue
         fn = None
         key = _try_region_key(source, order, region, uncached) if artifacts is not None else None
         if key is not None:
@@ -120,6 +128,7 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
                 _store(artifacts, key, fn, source, region, by_name[region.executor], uncached)
             elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
                 uncached.append(f"region {region.id} not cached: an executor failed to compile it")
+        compiled[twin_key] = (fn, region)
         gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
         regions.append(region)
     _set_region_values(gm)
@@ -144,6 +153,32 @@ def region_key(source: fx.GraphModule, order: Sequence[Executor]) -> str:
             parts += [value_signature(node_value(a)) if isinstance(a, fx.Node) else repr(a)
                       for a in node.args[0]]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def structure_key(source: fx.GraphModule, executor: str) -> str:
+    """What makes two regions of one stage compile to the same code, whatever their nodes are named:
+    the executor, each node's op, target and arguments by position, and the metadata of every value
+    (shapes, strides, dtypes, donation); constants by their bytes. The 16 layers of a Llama give 16
+    regions per kind with one key: the first is compiled, the others run its code (Inductor would
+    otherwise look each one up in its cache and load it again, ~50 ms apiece)."""
+    index: dict[fx.Node, str] = {}
+    parts = [executor]
+    for node in source.graph.nodes:
+        index[node] = f"%{len(index)}"
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+        if node.op == "get_attr":
+            value = getattr(source, node.target)
+            meta = value_signature(value) + (f" {tensor_digest(value)}" if isinstance(value, torch.Tensor) else "")
+        else:
+            meta = _value_signatures(node_value(node)) + (" donated" if node.meta.get("donated") else "")
+        parts.append(f"{node.op} {node.target if node.op in ('call_function', 'call_method') else ''} {args!r} {meta}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _value_signatures(v) -> str:
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_value_signatures(x) for x in v) + ")"
+    return value_signature(v) if v is not None else "-"
 
 
 def _try_region_key(source, order, region: Region, notes) -> Optional[str]:

@@ -17,6 +17,7 @@ class Region:
     graph_id: str = ""            # which captured graph the region belongs to
     fallback_reason: Optional[str] = None  # why a listed executor did not run it, if one was skipped
     compile_seconds: float = 0.0
+    compiled_as: Optional[int] = None  # an identical earlier region whose compiled code this one runs
     gemm_flops: int = 0           # matmul FLOPs per call
     fp8_gemm_flops: int = 0       # of which in fp8
 

@@ -239,3 +239,23 @@ def test_elements_of_a_multi_output_op_stay_in_its_region():
         assert torch.allclose(got, want)
     import operator
     assert ex.received == [[aten.var_mean.correction, operator.getitem, operator.getitem], [aten.mul.Tensor]]
+
+
+def two_layers(x):
+    a = (x.sin() * 2).cumsum(0)       # cumsum: not claimed, a barrier between the "layers"
+    b = (a.sin() * 2).cumsum(0)
+    c = (b[:3].sin() * 2).cumsum(0)   # the same ops on another shape
+    return c
+
+
+def test_identical_regions_are_compiled_once():
+    """Regions with the same ops, arguments and value metadata (one per layer of a model) share one
+    compiled callable; a region that differs only in a shape is compiled on its own."""
+    ex = Claiming("pw", tag=torch.Tag.pointwise)
+    cf = pipeline.jit(two_layers, executors=[ex])
+    x = torch.randn(6)
+    assert torch.equal(cf(x), two_layers(x))
+    table = [(r.executor, r.compiled_as) for r in pipeline.regions(cf)]
+    # the slice of b joins the second cumsum's region, so only the sin-mul regions 0 and 2 are twins
+    assert table == [("pw", None), ("torch", None), ("pw", 0), ("torch", None), ("pw", None), ("torch", None)]
+    assert len(ex.received) == 2

@@ -40,11 +40,12 @@ def te_on_cpu(monkeypatch):
 
 
 def test_regions_between_te_linears_compile_on_inductor(te_on_cpu):
-    """Every non-linear region of a Llama layer and its loss runs on Inductor, none falls back.
+    """Every non-linear region of a Llama and its loss runs on Inductor, none falls back, and the
+    second layer reuses the first layer's compiled regions.
     Before elements of multi-output ops stayed with their op, each attention region returned the
     attention's whole output tuple (its logsumexp is saved for the backward) and the loss region
     took it in: Inductor failed on both and they ran op by op on torch (10 ms a step on the H200)."""
-    config = LlamaConfig(vocab=512, dim=128, layers=1, heads=4, kv_heads=2, hidden=256, max_seq=32)
+    config = LlamaConfig(vocab=512, dim=128, layers=2, heads=4, kv_heads=2, hidden=256, max_seq=32)
     torch.manual_seed(0)
     model = LanguageModelLoss(Llama(config), fp32_loss=True).bfloat16()
     reference = LanguageModelLoss(Llama(config), fp32_loss=True).bfloat16()
@@ -60,7 +61,10 @@ def test_regions_between_te_linears_compile_on_inductor(te_on_cpu):
     table = pipeline.regions(cm)
     assert {r.executor for r in table} == {"te", "inductor"}, str(table)
     assert not [r.fallback_reason for r in table if r.fallback_reason], str(table)
-    assert sum(r.executor == "te" for r in table) == 2 * 5  # qkv, wo, w1+w3, w2, head; forward and backward
+    assert sum(r.executor == "te" for r in table) == 2 * 9  # 2 x (qkv, wo, w1+w3, w2) + head; forward, backward
+    # the second layer's regions run the code compiled for the first layer's
+    twins = [r for r in table if r.compiled_as is not None and r.executor == "inductor"]
+    assert len(twins) >= 6, str([(r.id, r.compiled_as) for r in table])
     torch.testing.assert_close(loss, expected, atol=1e-2, rtol=1e-2)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=2e-2, rtol=5e-2, msg=name)
