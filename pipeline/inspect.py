@@ -30,7 +30,12 @@ class RegionTable(list):
             executor = r.executor + _fallback_mark(r.fallback_reason)
             rows.append((str(r.id), r.graph_id, r.stage, executor, str(r.op_count), ops,
                          _clip(", ".join(r.input_shapes)), _clip(", ".join(r.output_shapes))))
-        notes = [f"region {r.id}: {r.fallback_reason}" for r in self if r.fallback_reason]
+        # a region compiled as an earlier identical one shares its reason: say it once
+        notes = [f"region {r.id}: {r.fallback_reason}" for r in self if r.fallback_reason and r.compiled_as is None]
+        twins = sum(r.compiled_as is not None for r in self)
+        if twins:
+            notes.append(f"{twins} of {len(self)} regions run the code compiled for an identical earlier "
+                         f"region (Region.compiled_as)")
         return "\n".join(format_table(rows) + notes)
 
     __repr__ = __str__

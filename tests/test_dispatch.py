@@ -259,3 +259,4 @@ def test_identical_regions_are_compiled_once():
     # the slice of b joins the second cumsum's region, so only the sin-mul regions 0 and 2 are twins
     assert table == [("pw", None), ("torch", None), ("pw", 0), ("torch", None), ("pw", None), ("torch", None)]
     assert len(ex.received) == 2
+    assert "1 of 6 regions run the code compiled for an identical earlier region" in str(pipeline.regions(cf))
