@@ -6,13 +6,16 @@ still lie, on the longest path, between the op and the graph's outputs. Along an
 grows and it drops at each foreign op, so no path leaves a group and comes back: every group is a
 valid region, and the regions form no cycle. An op joins the group of its earliest consumer, so values
 are computed right before they are needed (recomputed activations in a backward stay with the layer
-that uses them). Between two TE linears, say, everything Inductor claims becomes one region.
+that uses them) — except work that only feeds the graph's outputs (weight gradients, values saved for
+the backward), which is done as early as its inputs allow, so what it reads is freed in its own layer.
+Between two TE linears, say, everything Inductor claims becomes one region.
 
 This is linear in the graph size; torch.fx's `CapabilityBasedPartitioner`, used before, merged
 greedily in quadratic time (10–14 s of a 16-layer fp8 Llama's first step on the H200 host).
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Sequence
 
@@ -56,6 +59,7 @@ def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
     depth: dict[fx.Node, int] = {}
     for node in reversed(gm.graph.nodes):
         depth[node] = max((depth[u] + is_barrier(u) for u in node.users), default=0)
+    _outputs_as_early_as_possible(gm, assigned, depth)
     # An element of a multi-output op stays with the op: a tuple never crosses a region boundary
     # (Inductor takes and returns tensors only). The op's depth is at least its elements', so the
     # edges out of the element still never climb and the groups stay cycle-free.
@@ -67,6 +71,33 @@ def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
         if node in assigned:
             groups.setdefault(depth[node], []).append(node)
     return [groups[d] for d in sorted(groups, reverse=True)]
+
+
+def _outputs_as_early_as_possible(gm: fx.GraphModule, assigned: set, depth: dict) -> None:
+    """Work whose only use is a graph output (a norm weight's gradient summed over the tokens, a value
+    saved for the backward) moves to the earliest group its inputs allow, instead of the last region:
+    the activations it reads are then freed in their own layer, not all kept to the end of the stage.
+    Such a node gets the least depth among its computed inputs (never below its users'); one that
+    reads only graph inputs joins its users. Depths only grow and never climb along an edge, so the
+    groups stay cycle-free."""
+    bound = set()  # assigned nodes all of whose uses lead only to the output
+    for node in reversed(gm.graph.nodes):
+        if node in assigned and node.users and all(u in bound or u.op == "output" for u in node.users):
+            bound.add(node)
+    earliest: dict[fx.Node, float] = {}
+    for node in gm.graph.nodes:
+        if node in bound:
+            earliest[node] = min((earliest[p] if p in bound else depth[_producer(p)] for p in node.all_input_nodes
+                                  if p.op not in ("placeholder", "get_attr")), default=math.inf)
+    for node in reversed(gm.graph.nodes):
+        if node in bound:
+            users = [depth[u] for u in node.users if u.op != "output"]
+            depth[node] = earliest[node] if earliest[node] != math.inf else max(users, default=depth[node])
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    """The op or region that made `node`: for an element of a multi-output op, the op."""
+    return node.args[0] if node.target is operator.getitem else node
 
 
 def _rename_in_order(gm: fx.GraphModule) -> list[tuple[str, str]]:

@@ -260,3 +260,22 @@ def test_identical_regions_are_compiled_once():
     assert table == [("pw", None), ("torch", None), ("pw", 0), ("torch", None), ("pw", None), ("torch", None)]
     assert len(ex.received) == 2
     assert "1 of 6 regions run the code compiled for an identical earlier region" in str(pipeline.regions(cf))
+
+
+def early_output(x):
+    a = x.sin()                # claimed
+    total = (a * a).sum()      # claimed; only returned (as a weight's gradient is)
+    b = a.cumsum(0)            # not claimed: a barrier
+    return b.cos(), total
+
+
+def test_work_only_returned_is_done_as_early_as_its_inputs_allow():
+    """`total` joins the region that makes `a`, not the last one: otherwise `a` (in a backward, every
+    layer's activations read by its weight gradients) stays alive to the end of the stage."""
+    ex = Claiming("pw", [aten.sin.default, aten.mul.Tensor, aten.sum.default, aten.cos.default])
+    cf = pipeline.jit(early_output, executors=[ex])
+    x = torch.randn(6)
+    for got, want in zip(cf(x), early_output(x)):
+        assert torch.allclose(got, want)
+    assert [(r.executor, r.ops) for r in pipeline.regions(cf)] == [
+        ("pw", ["sin", "mul", "sum"]), ("torch", ["cumsum"]), ("pw", ["cos"])]

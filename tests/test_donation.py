@@ -34,9 +34,9 @@ class Recording(Executor):
         return gm.forward
 
 
-def sin_mm_cos(x, w):
-    y = x.sin()
-    return ((y @ w).cos() * y).sum()
+def sin_mm_tanh_mm(x, w):
+    # the backward reads the saved tanh in two pointwise regions, one on each side of an mm
+    return ((x.sin() @ w).tanh() @ w.t()).mul(x.sin()).sum()
 
 
 def test_a_saved_activation_is_donated_only_to_the_last_region_reading_it():
@@ -44,10 +44,10 @@ def test_a_saved_activation_is_donated_only_to_the_last_region_reading_it():
     mm = Recording("mm", "operator", lambda op: op is aten.mm.default, log)
     pointwise = Recording("pointwise", "fusion", lambda op: op is not aten.mm.default, log)
     x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
-    cf = pipeline.jit(sin_mm_cos, executors=[mm, pointwise])
+    cf = pipeline.jit(sin_mm_tanh_mm, executors=[mm, pointwise])
     cf(x, w).backward()
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    sin_mm_cos(x2, w2).backward()
+    sin_mm_tanh_mm(x2, w2).backward()
     torch.testing.assert_close((x.grad, w.grad), (x2.grad, w2.grad))
 
     backward = log[len(log) - sum(1 for t in pipeline.last_traces(cf) if t.name.endswith("_backward")
