@@ -51,6 +51,11 @@ class Executor:
         """Whether this executor runs the call_function `node` as it stands."""
         return node.op == "call_function" and self.claims_op(node.target, node)
 
+    def library_ops(self) -> set:
+        """Ops this executor runs as calls into library kernels (cuBLAS, cuDNN) rather than fusing
+        them: the borders of the fusible islands it shares with other fusion executors."""
+        return set()
+
     def for_model(self) -> "Executor":
         """The instance one jitted model uses. Executors that keep per-model state (TE's fp8 scaling
         history) return a fresh copy; stateless ones return themselves."""

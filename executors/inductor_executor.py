@@ -63,6 +63,9 @@ class InductorExecutor(Executor):
             return False
         return op in _lowerings() or op in _decompositions(self.fallback_random)
 
+    def library_ops(self) -> set:
+        return _library_ops()
+
     def decompositions_before_partition(self) -> dict:
         """As torch.compile's AOTAutograd decomposes them: with `detach` and log-softmax whole, the
         partitioner saves the loss's fp32 log-probabilities for the backward (8192 tokens x 32000:

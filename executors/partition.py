@@ -19,10 +19,13 @@ import math
 import operator
 from typing import Sequence
 
+import torch
 import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from .base import Executor
+
+_VIEW_LIKE = (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
 
 
 def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[str, str]]:
@@ -48,6 +51,52 @@ def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[s
             if node.op == "call_module" and node.target.startswith(prefix):
                 node.meta["executor"] = ex.name
     return _rename_in_order(gm)
+
+
+def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallback: str) -> None:
+    """A fusible island — ops of fusion executors between library kernels and other executors' ops,
+    grouped as `partition` groups one executor's ops — that its ops' claims split between two fusion
+    executors goes whole to the first of them (in priority order) that claims all of it.
+
+    Split, every value crossing between the executors' regions is written to memory: with
+    `[nvfuser, inductor]` the loss tail alternated between them at each slice and scatter nvFuser does
+    not take, and three fp32 logits-sized buffers were alive at once where Inductor alone keeps two bf16
+    ones (+2.8 GiB on the H200). Moved ops get `meta["island"]`, which the region table reports."""
+    fusion = [e for e in executors if e.kind == "fusion" and e.name != fallback]
+    names = {e.name for e in fusion}
+    library = set().union(*(e.library_ops() for e in fusion)) if fusion else set()
+    members = {n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") in names
+               and n.target not in library}
+    for group in _by_barrier_depth(gm, members):
+        ops = [n for n in group if n.target is not operator.getitem]
+        # views cost nothing wherever they run: only ops that compute something split an island
+        owners = {n.meta["executor"] for n in ops if not _is_view(n.target)}
+        if len(owners) < 2:
+            continue
+        whole = next((e for e in fusion if all(e.claims(n) for n in ops)), None)
+        if whole is None:
+            continue
+        for other in sorted(owners - {whole.name}):
+            declined = sorted({_op_name(n.target) for n in ops if not _claims(fusion, other, n)})
+            note = (f"{other} declined: its ops of this fusible island joined {whole.name}'s, which takes all of "
+                    f"it ({other} does not take {', '.join(declined[:6])})")
+            for n in ops:
+                if n.meta["executor"] == other:
+                    n.meta["island"] = note
+        for n in group:
+            n.meta["executor"] = whole.name
+
+
+def _is_view(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _VIEW_LIKE)
+
+
+def _claims(executors, name, node) -> bool:
+    return next(e for e in executors if e.name == name).claims(node)
+
+
+def _op_name(target) -> str:
+    return getattr(target, "_opname", getattr(target, "__name__", str(target)))
 
 
 def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:

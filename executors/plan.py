@@ -22,7 +22,7 @@ from ir import Region, Trace, describe_value, node_value
 
 from .base import Executor, RegionDeclined
 from .dispatch import Assignment, assign
-from .partition import partition
+from .partition import keep_islands_whole, partition
 from .torch_executor import torch_executor
 
 
@@ -100,6 +100,7 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     gm = trace.editable()
     assignment = assign(gm, executors, fallback)
     order = list(executors) + ([fallback] if all(e.name != fallback.name for e in executors) else [])
+    keep_islands_whole(gm, order, fallback.name)
     named = partition(gm, order)
     if donated:
         mark_donated_inputs(gm, donated, {e.name for e in order if e.outputs_may_alias_inputs})
@@ -109,6 +110,7 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     for k, (sub_name, ex_name) in enumerate(named):
         source = gm.get_submodule(sub_name)
         region = _describe(source, first_region_id + k, stage, ex_name, graph_id)
+        island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
         twin_key = structure_key(source, ex_name)
         if twin_key in compiled:  # the same region one layer down: run the code built for the first
             fn, first = compiled[twin_key]
@@ -128,6 +130,8 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
                 _store(artifacts, key, fn, source, region, by_name[region.executor], uncached)
             elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
                 uncached.append(f"region {region.id} not cached: an executor failed to compile it")
+        if island:
+            region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
         compiled[twin_key] = (fn, region)
         gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
         regions.append(region)

@@ -62,12 +62,16 @@ def test_op_whose_parts_nobody_claims_stays_whole_on_torch_with_the_reason():
     assert "no listed executor (cos_only) claims aten.silu.default" in reasons["aten.silu.default"]
 
 
+def silu_cumsum_plus_one(x):
+    return F.silu(x).cumsum(0) + 1
+
+
 def test_first_listed_executor_wins():
     a = Claiming("a", [aten.add.Tensor])
     b = Claiming("b", [aten.add.Tensor, aten.silu.default])
-    cf = pipeline.jit(silu_plus_one, executors=[a, b])
+    cf = pipeline.jit(silu_cumsum_plus_one, executors=[a, b])
     cf(torch.randn(4))
-    assert [(r.executor, r.ops) for r in pipeline.regions(cf)] == [("b", ["silu"]), ("a", ["add"])]
+    assert [(r.executor, r.ops) for r in pipeline.regions(cf)] == [("b", ["silu"]), ("torch", ["cumsum"]), ("a", ["add"])]
 
 
 def diamond(x):
@@ -279,3 +283,34 @@ def test_work_only_returned_is_done_as_early_as_its_inputs_allow():
         assert torch.allclose(got, want)
     assert [(r.executor, r.ops) for r in pipeline.regions(cf)] == [
         ("pw", ["sin", "mul", "sum"]), ("torch", ["cumsum"]), ("pw", ["cos"])]
+
+
+def island(x):
+    a = x.sin()
+    b = a * a.sum()      # the sum is claimed by "all" only
+    c = b.cos()
+    return c.cumsum(0)   # not claimed by either: a barrier
+
+
+def test_a_fusible_island_split_between_fusion_executors_goes_whole_to_one_that_takes_it():
+    """`pointwise` (listed first) claims sin, mul, cos but not the sum between them; split, its two
+    regions and `all`'s sum region would pass every value through memory. The island goes whole
+    to `all`, which claims every op of it, and the region table says why. (Views do not split an
+    island: they cost nothing wherever they run.)"""
+    pointwise = Claiming("pointwise", tag=torch.Tag.pointwise)
+    everything = Claiming("all", [aten.sin.default, aten.sum.default, aten.mul.Tensor, aten.cos.default])
+    cf = pipeline.jit(island, executors=[pointwise, everything])
+    x = torch.randn(6)
+    assert torch.equal(cf(x), island(x))
+    table = pipeline.regions(cf)
+    assert [(r.executor, r.ops) for r in table] == [("all", ["sin", "sum", "mul", "cos"]), ("torch", ["cumsum"])]
+    assert "pointwise declined: its ops of this fusible island joined all's" in table[0].fallback_reason
+    assert "does not take sum" in table[0].fallback_reason
+
+
+def test_an_island_no_fusion_executor_takes_whole_stays_split():
+    pointwise = Claiming("pointwise", tag=torch.Tag.pointwise)
+    sums = Claiming("sums", [aten.sum.default])
+    cf = pipeline.jit(island, executors=[pointwise, sums])
+    cf(torch.randn(6))
+    assert [r.executor for r in pipeline.regions(cf)] == ["pointwise", "sums", "pointwise", "torch"]
