@@ -314,3 +314,42 @@ def test_an_island_no_fusion_executor_takes_whole_stays_split():
     cf = pipeline.jit(island, executors=[pointwise, sums])
     cf(torch.randn(6))
     assert [r.executor for r in pipeline.regions(cf)] == ["pointwise", "sums", "pointwise", "torch"]
+
+
+def test_a_region_of_a_many_region_stage_can_free_the_inputs_it_reads_last():
+    """Regions of a stage with several regions are called with an argument list too: the saved
+    activation that a backward region reads last dies inside that region, not when it returns."""
+    import weakref
+
+    freed = []
+
+    class FreesInputs(Executor):
+        name, kind = "frees_inputs", "fusion"
+
+        def claims_op(self, op, node):
+            return op is not aten.mm.default  # the matmuls run on torch: several regions per stage
+
+        def compile_region(self, gm, example_inputs):
+            class Run:
+                def __call__(self, *args):
+                    return tuple(gm(*args))
+
+                def boxed(self, args):
+                    refs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)]
+                    out = tuple(gm(*args))
+                    args.clear()
+                    freed.append(sum(r() is None for r in refs))
+                    return out
+            return Run()
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=[FreesInputs()])
+    x = torch.randn(3, 8)
+    cm(x).sum().backward()
+    eager(x).sum().backward()
+    backward = [r for r in pipeline.regions(cm) if r.stage == "backward"]
+    assert len(backward) > 1 and any(r.executor == "frees_inputs" for r in backward)
+    assert sum(freed[-sum(r.executor == "frees_inputs" for r in backward):]) >= 1  # the saved tanh output
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
