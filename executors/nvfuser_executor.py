@@ -42,6 +42,7 @@ def _op(*overloads):
 class NvFuserExecutor(Executor):
     name = "nvfuser"
     kind = "fusion"
+    device = "cuda"  # where its kernels run (CPU tests of its claims set "cpu")
     outputs_may_alias_inputs = True  # nvFuser may make a copy (clone -> set) an alias of its input
 
     def unavailable_reason(self) -> str | None:
@@ -54,7 +55,7 @@ class NvFuserExecutor(Executor):
         values = [node_value(a) for a in node.all_input_nodes] + [node_value(node)]
         for v in values:
             for t in (v if isinstance(v, (tuple, list)) else [v]):
-                if isinstance(t, torch.Tensor) and (t.device.type != "cuda" or t.dtype in _NO_NVFUSER_DTYPES):
+                if isinstance(t, torch.Tensor) and (t.device.type != self.device or t.dtype in _NO_NVFUSER_DTYPES):
                     return False
         check = _CHECKS.get(op)
         return check is None or check(node)

@@ -1,0 +1,60 @@
+"""With two fusion executors listed, a fusible island is not split between them: checked on the CPU
+with nvFuser's claims (its kernels replaced by the region's ATen graph; nvFuser itself needs a GPU)."""
+import pytest
+import torch
+
+import pipeline
+from executors.nvfuser_executor import NvFuserExecutor
+from models import LanguageModelLoss, Llama, LlamaConfig
+
+pytestmark = pytest.mark.inductor
+
+
+@pytest.fixture
+def nvfuser_claims_on_cpu(monkeypatch):
+    monkeypatch.setattr(NvFuserExecutor, "device", "cpu")
+    monkeypatch.setattr(NvFuserExecutor, "unavailable_reason", lambda self: None)
+    monkeypatch.setattr(NvFuserExecutor, "compile_region", lambda self, gm, example_inputs: gm.forward)
+    return NvFuserExecutor()
+
+
+def test_no_fp32_logits_sized_value_crosses_regions_with_nvfuser_listed(nvfuser_claims_on_cpu):
+    """nvFuser takes no slice, scatter or NLL, so by op alone the fp32 loss tail alternated between
+    nvFuser and Inductor regions, and each boundary wrote a logits-sized fp32 buffer (three alive at
+    once on the H200: +2.8 GiB over Inductor alone). As an island it goes whole to Inductor."""
+    config = LlamaConfig(vocab=1024, dim=64, layers=1, heads=4, kv_heads=2, hidden=128, max_seq=16)
+    torch.manual_seed(0)
+    model = LanguageModelLoss(Llama(config), fp32_loss=True).bfloat16()
+    reference = LanguageModelLoss(Llama(config), fp32_loss=True).bfloat16()
+    reference.load_state_dict(model.state_dict())
+    cm = pipeline.jit(model, executors=[nvfuser_claims_on_cpu, "inductor"])
+    tokens = torch.randint(0, config.vocab, (2, 16))
+    loss = cm(tokens)
+    loss.backward()
+    expected = reference(tokens)
+    expected.backward()
+
+    table = pipeline.regions(cm)
+    assert {"nvfuser", "inductor"} <= {r.executor for r in table}, str(table)
+    passed = values_passed_between_regions(cm)
+    logits_fp32 = [v for v in passed if v.dtype == torch.float32 and v.dim() and v.shape[-1] == config.vocab]
+    assert not logits_fp32, f"{[tuple(v.shape) for v in logits_fp32]}\n{table}"
+    assert any("joined inductor's" in (r.fallback_reason or "") for r in table), str(table)
+    torch.testing.assert_close(loss, expected, atol=1e-2, rtol=1e-2)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=2e-2, rtol=5e-2, msg=name)
+
+
+def values_passed_between_regions(cm) -> list:
+    """The tensors one region of a stage returns and a later region of the same stage reads (what a
+    split island writes to memory; a stage's own inputs and outputs, saved activations included, are
+    not counted)."""
+    from ir import node_value
+    passed = []
+    for trace in pipeline.last_traces(cm):
+        regions = {n for n in trace.module.graph.nodes if n.op == "call_module"}
+        for node in trace.module.graph.nodes:
+            if node.op == "call_function" and node.args and node.args[0] in regions:  # an element of a region's result
+                if any(u in regions for u in node.users):
+                    passed.append(node_value(node))
+    return [v for v in passed if isinstance(v, torch.Tensor)]
