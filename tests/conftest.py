@@ -1,4 +1,6 @@
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -74,3 +76,44 @@ def mlp():
 @pytest.fixture
 def convbn():
     return ConvBN()
+
+
+# Stand-ins for the GPU executors, to test on the CPU what they do to the graph (claims, regions,
+# numerics of everything around their kernels).
+
+def general_gemm(A, B, out_dtype=None, layout="TN", bias=None, grad=False, **kwargs):
+    """TE's `general_gemm` in cuBLAS's column-major convention: D = op(A) op(B) read column-major,
+    i.e. op(B) @ op(A) row-major; with `grad` the bias slot returns the bias gradient."""
+    a = A.t() if layout[0] == "T" else A
+    b = B.t() if layout[1] == "T" else B
+    out = b.float() @ a.float()
+    bias_grad = None
+    if bias is not None and not grad:
+        out = out + bias.float()
+    elif bias is not None:
+        bias_grad = b.float().sum(0).to(out_dtype)
+    return out.to(out_dtype), bias_grad, None, None
+
+
+@pytest.fixture
+def te_on_cpu(monkeypatch):
+    """The te executor (bf16, grouped linears) with TE's GEMM replaced by `general_gemm` above."""
+    from executors.te_executor import TEExecutor
+    gemm = types.ModuleType("transformer_engine.pytorch.cpp_extensions")
+    gemm.general_gemm = general_gemm
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, gemm.__name__, gemm)
+    monkeypatch.setattr(TEExecutor, "unavailable_reason", lambda self: None)
+    monkeypatch.setattr(TEExecutor, "_reject", lambda self, node: None)
+    return TEExecutor().options(group_linears=True)
+
+
+@pytest.fixture
+def nvfuser_claims_on_cpu(monkeypatch):
+    """The nvfuser executor claiming what it claims on a GPU, its regions run as their ATen graphs."""
+    from executors.nvfuser_executor import NvFuserExecutor
+    monkeypatch.setattr(NvFuserExecutor, "device", "cpu")
+    monkeypatch.setattr(NvFuserExecutor, "unavailable_reason", lambda self: None)
+    monkeypatch.setattr(NvFuserExecutor, "compile_region", lambda self, gm, example_inputs: gm.forward)
+    return NvFuserExecutor()

@@ -1,21 +1,13 @@
 """With two fusion executors listed, a fusible island is not split between them: checked on the CPU
-with nvFuser's claims (its kernels replaced by the region's ATen graph; nvFuser itself needs a GPU)."""
+with nvFuser's claims (`nvfuser_claims_on_cpu` in conftest.py: its kernels replaced by the region's
+ATen graph; nvFuser itself needs a GPU)."""
 import pytest
 import torch
 
 import pipeline
-from executors.nvfuser_executor import NvFuserExecutor
 from models import LanguageModelLoss, Llama, LlamaConfig
 
 pytestmark = pytest.mark.inductor
-
-
-@pytest.fixture
-def nvfuser_claims_on_cpu(monkeypatch):
-    monkeypatch.setattr(NvFuserExecutor, "device", "cpu")
-    monkeypatch.setattr(NvFuserExecutor, "unavailable_reason", lambda self: None)
-    monkeypatch.setattr(NvFuserExecutor, "compile_region", lambda self, gm, example_inputs: gm.forward)
-    return NvFuserExecutor()
 
 
 def test_no_fp32_logits_sized_value_crosses_regions_with_nvfuser_listed(nvfuser_claims_on_cpu):
@@ -58,3 +50,29 @@ def values_passed_between_regions(cm) -> list:
                 if any(u in regions for u in node.users):
                     passed.append(node_value(node))
     return [v for v in passed if isinstance(v, torch.Tensor)]
+
+
+def test_te_nvfuser_inductor_on_the_cpu_matches_eager(te_on_cpu, nvfuser_claims_on_cpu):
+    """The issue's executor list, [te, nvfuser, inductor], end to end on the CPU (TE's GEMM replaced by
+    a matmul, nvFuser's kernels by the region's graph): two layers, so the second runs the first's
+    compiled regions; every region on its executor (no compile fallback) and loss and gradients as
+    eager's."""
+    config = LlamaConfig(vocab=1024, dim=64, layers=2, heads=4, kv_heads=2, hidden=128, max_seq=16)
+    torch.manual_seed(0)
+    model = LanguageModelLoss(Llama(config), fp32_loss=True).bfloat16()
+    reference = LanguageModelLoss(Llama(config), fp32_loss=True).bfloat16()
+    reference.load_state_dict(model.state_dict())
+    cm = pipeline.jit(model, executors=[te_on_cpu, nvfuser_claims_on_cpu, "inductor"])
+    tokens = torch.randint(0, config.vocab, (2, 16))
+    loss = cm(tokens)
+    loss.backward()
+    expected = reference(tokens)
+    expected.backward()
+
+    table = pipeline.regions(cm)
+    assert {"te", "nvfuser", "inductor"} <= {r.executor for r in table}, str(table)
+    assert not [r.id for r in table if "failed to compile" in (r.fallback_reason or "")], str(table)
+    assert any(r.compiled_as is not None for r in table if r.executor == "nvfuser")
+    torch.testing.assert_close(loss, expected, atol=1e-2, rtol=1e-2)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=2e-2, rtol=5e-2, msg=name)

@@ -1,8 +1,6 @@
 """With `te` listed, what lies between TE's linears compiles on Inductor: checked on the CPU with
-TE's GEMM replaced by a matmul stand-in (TE itself needs a GPU), forward and backward against eager."""
-import sys
-import types
-
+TE's GEMM replaced by a matmul stand-in (`te_on_cpu` in conftest.py; TE itself needs a GPU), forward
+and backward against eager."""
 import pytest
 import torch
 
@@ -10,33 +8,6 @@ import pipeline
 from models import LanguageModelLoss, Llama, LlamaConfig
 
 pytestmark = pytest.mark.inductor
-
-
-def general_gemm(A, B, out_dtype=None, layout="TN", bias=None, grad=False, **kwargs):
-    """TE's `general_gemm` in cuBLAS's column-major convention: D = op(A) op(B) read column-major,
-    i.e. op(B) @ op(A) row-major; with `grad` the bias slot returns the bias gradient."""
-    a = A.t() if layout[0] == "T" else A
-    b = B.t() if layout[1] == "T" else B
-    out = b.float() @ a.float()
-    bias_grad = None
-    if bias is not None and not grad:
-        out = out + bias.float()
-    elif bias is not None:
-        bias_grad = b.float().sum(0).to(out_dtype)
-    return out.to(out_dtype), bias_grad, None, None
-
-
-@pytest.fixture
-def te_on_cpu(monkeypatch):
-    from executors.te_executor import TEExecutor
-    gemm = types.ModuleType("transformer_engine.pytorch.cpp_extensions")
-    gemm.general_gemm = general_gemm
-    for name in ("transformer_engine", "transformer_engine.pytorch"):
-        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, gemm.__name__, gemm)
-    monkeypatch.setattr(TEExecutor, "unavailable_reason", lambda self: None)
-    monkeypatch.setattr(TEExecutor, "_reject", lambda self, node: None)
-    return TEExecutor().options(group_linears=True)
 
 
 def test_regions_between_te_linears_compile_on_inductor(te_on_cpu):
