@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-from .base import Executor
+from .base import Executor, is_symbolic_glue
 
 _VIEW_LIKE = (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
 
@@ -66,18 +66,20 @@ def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallba
     names = {e.name for e in fusion}
     library = set().union(*(e.library_ops() for e in fusion)) if fusion else set()
     members = {n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") in names
-               and n.target not in library}
+               and n.target not in library and n.target is not operator.getitem}
+    members |= {n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] in members}
     for group in _by_barrier_depth(gm, members):
         ops = [n for n in group if n.target is not operator.getitem]
-        # views cost nothing wherever they run: only ops that compute something split an island
-        owners = {n.meta["executor"] for n in ops if not _is_view(n.target)}
+        # views and shape arithmetic cost nothing wherever they run: only ops that compute split an island
+        owners = {n.meta["executor"] for n in ops if not _is_view(n.target) and not is_symbolic_glue(n.target)}
         if len(owners) < 2:
             continue
         whole = next((e for e in fusion if all(e.claims(n) for n in ops)), None)
         if whole is None:
             continue
         for other in sorted(owners - {whole.name}):
-            declined = sorted({_op_name(n.target) for n in ops if not _claims(fusion, other, n)})
+            declined = sorted({_op_name(n.target) for n in ops
+                               if not _claims(fusion, other, n) and not is_symbolic_glue(n.target)})
             note = (f"{other} declined: its ops of this fusible island joined {whole.name}'s, which takes all of "
                     f"it ({other} does not take {', '.join(declined[:6])})")
             for n in ops:
@@ -85,6 +87,10 @@ def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallba
                     n.meta["island"] = note
         for n in group:
             n.meta["executor"] = whole.name
+
+
+def _is_random(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
 def _is_view(target) -> bool:
@@ -131,7 +137,8 @@ def _outputs_as_early_as_possible(gm: fx.GraphModule, assigned: set, depth: dict
     groups stay cycle-free."""
     bound = set()  # assigned nodes all of whose uses lead only to the output
     for node in reversed(gm.graph.nodes):
-        if node in assigned and node.users and all(u in bound or u.op == "output" for u in node.users):
+        if node in assigned and node.users and all(u in bound or u.op == "output" for u in node.users) \
+                and not _is_random(node.target):  # random ops keep their order: eager's draws
             bound.add(node)
     earliest: dict[fx.Node, float] = {}
     for node in gm.graph.nodes:

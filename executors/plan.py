@@ -111,10 +111,12 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
         source = gm.get_submodule(sub_name)
         region = _describe(source, first_region_id + k, stage, ex_name, graph_id)
         island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
-        twin_key = structure_key(source, ex_name)
+        twin_key = _try_structure_key(source, ex_name)
         if twin_key in compiled:  # the same region one layer down: run the code built for the first
             fn, first = compiled[twin_key]
             region.executor, region.fallback_reason, region.compiled_as = first.executor, first.fallback_reason, first.id
+            if first.id in loaded:  # for the cache, a twin of a loaded region is loaded too
+                loaded.add(region.id)
             gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
             regions.append(region)
             continue
@@ -132,7 +134,8 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
                 uncached.append(f"region {region.id} not cached: an executor failed to compile it")
         if island:
             region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
-        compiled[twin_key] = (fn, region)
+        if twin_key is not None:
+            compiled[twin_key] = (fn, region)
         gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
         regions.append(region)
     _set_region_values(gm)
@@ -177,6 +180,13 @@ def structure_key(source: fx.GraphModule, executor: str) -> str:
             meta = _value_signatures(node_value(node)) + (" donated" if node.meta.get("donated") else "")
         parts.append(f"{node.op} {node.target if node.op in ('call_function', 'call_method') else ''} {args!r} {meta}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _try_structure_key(source: fx.GraphModule, executor: str) -> Optional[str]:
+    try:
+        return structure_key(source, executor)
+    except Exception:  # e.g. a constant without data: the region is compiled on its own
+        return None
 
 
 def _value_signatures(v) -> str:

@@ -287,3 +287,38 @@ def test_a_region_whose_compile_failed_is_compiled_again_next_time(mlp):
     second, out1, _ = compile_and_step(mlp, x, executors=[FailsOnce()])
     assert {r.executor for r in pipeline.regions(second)} == {"fails_once"}
     assert torch.equal(out0, out1)
+
+
+def test_a_stage_with_identical_regions_hits(monkeypatch):
+    """Regions that run an identical earlier region's code are neither compiled nor loaded: a warm
+    cache still counts them as loaded, and reports a hit."""
+    from executors import Executor
+
+    class Pointwise(Executor):
+        name, kind = "pointwise", "fusion"
+
+        def claims_op(self, op, node):
+            return torch.Tag.pointwise in getattr(op, "tags", ())
+
+        def compile_region(self, gm, example_inputs):
+            return gm.forward
+
+        def artifact_unsupported_reason(self, gm, example_inputs):
+            return None
+
+        def save_region(self, fn):
+            return b""
+
+        def load_region(self, data, gm, example_inputs):
+            return gm.forward
+
+    def two_layers(x):
+        return ((x.sin() * 2).cumsum(0).sin() * 2).cumsum(0)
+
+    x = torch.randn(6)
+    for expected in ("miss", "hit"):
+        torch._dynamo.reset()
+        cf = pipeline.jit(two_layers, executors=[Pointwise()])
+        assert torch.equal(cf(x), two_layers(x))
+        assert pipeline.compile_stats(cf).cache == {"g0": expected}
+        assert [r.compiled_as for r in pipeline.regions(cf)][:3] == [None, None, 0]

@@ -353,3 +353,69 @@ def test_a_region_of_a_many_region_stage_can_free_the_inputs_it_reads_last():
     assert sum(freed[-sum(r.executor == "frees_inputs" for r in backward):]) >= 1  # the saved tanh output
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+class WithLibrary(Claiming):
+    """A claiming executor that calls a library kernel for some of the ops it claims."""
+
+    def __init__(self, *args, library=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.library = set(library)
+
+    def library_ops(self):
+        return self.library
+
+
+def statistic_then_island(x):
+    var, mean = torch.var_mean(x, dim=0)   # a multi-output "library" op, taken by A (listed first)
+    y = (mean * 2).cos()                   # mul: A; cos: B only -> the island goes to B
+    return y.cumsum(0)                     # a barrier
+
+
+def test_an_island_moved_whole_leaves_the_elements_of_a_library_op_with_it():
+    a = Claiming("A", [aten.var_mean.correction, aten.mul.Tensor])
+    b = WithLibrary("B", [aten.var_mean.correction, aten.mul.Tensor, aten.cos.default],
+                    library=[aten.var_mean.correction])
+    cf = pipeline.jit(statistic_then_island, executors=[a, b])
+    x = torch.randn(5, 6)
+    assert torch.allclose(cf(x), statistic_then_island(x))
+    table = pipeline.regions(cf)
+    assert [(r.executor, r.ops) for r in table] == [("A", ["var_mean"]), ("B", ["mul", "cos"]), ("torch", ["cumsum"])]
+    assert not [s for r in table for s in r.input_shapes + r.output_shapes if s.startswith("(")], str(table)
+
+
+def reshaped(x):
+    y = (x.sin() * 2).exp()
+    return y.reshape(x.shape[0] * x.shape[1]).cos() + 1
+
+
+def test_shape_arithmetic_does_not_split_an_island():
+    """With dynamic shapes the SymInt product goes to Inductor; it costs nothing and must not hand
+    the pointwise executor's island to Inductor."""
+    pw = Claiming("pw", [aten.view.default, aten.reshape.default, aten._unsafe_view.default], tag=torch.Tag.pointwise)
+    cf = pipeline.jit(reshaped, executors=[pw, "inductor"], dynamic=True)
+    x = torch.randn(4, 3)
+    assert torch.allclose(cf(x), reshaped(x))
+    assert ["sin", "mul", "exp", "cos", "add"] == [op for r in pipeline.regions(cf) if r.executor == "pw"
+                                                   for op in r.ops if op != "view"]
+
+
+def draws_twice(x):
+    a = x.sin()
+    b = a.cumsum(0)                  # a barrier
+    r1 = torch.rand_like(b)          # eager's first draw
+    c = (b + r1).cumsum(0)           # a barrier
+    r0 = torch.rand_like(x) * a      # eager's second draw, only returned
+    return c, r0
+
+
+def test_random_ops_only_returned_keep_their_place():
+    """Work that only feeds the outputs moves early, except random ops: eager's draws, in order."""
+    ex = Claiming("fuse", [aten.sin.default, aten.add.Tensor, aten.mul.Tensor, aten.rand_like.default])
+    cf = pipeline.jit(draws_twice, executors=[Claiming("op", [aten.cumsum.default], kind="operator"), ex])
+    x = torch.randn(6)
+    torch.manual_seed(0)
+    got = cf(x)
+    torch.manual_seed(0)
+    want = draws_twice(x)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
