@@ -6,6 +6,8 @@ ops) or "operator" (takes single ops).
 """
 from __future__ import annotations
 
+import operator
+
 from typing import Callable, Sequence
 
 import torch
@@ -164,6 +166,24 @@ def is_symbolic_glue(target) -> bool:
         return target.namespace == "aten" and target._opname.startswith("sym_")
     module = getattr(target, "__module__", "") or ""
     return module in ("_operator", "operator", "math") or getattr(target, "__name__", "").startswith("sym_")
+
+
+_VIEW_LIKE = (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
+
+
+def computes_nothing(target) -> bool:
+    """Views, tuple elements and shape arithmetic: ops that cost nothing wherever they run."""
+    if target is operator.getitem or is_symbolic_glue(target):
+        return True
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _VIEW_LIKE)
+
+
+def op_name(target) -> str:
+    """An op's short name: `mul`, `pipeline_te.linear`, `getitem`."""
+    if isinstance(target, torch._ops.OpOverload):
+        ns = "" if target.namespace == "aten" else f"{target.namespace}."
+        return f"{ns}{target._opname}"
+    return getattr(target, "__name__", str(target))
 
 
 _CPU_FFT = ("_fft_r2c", "_fft_c2c", "_fft_c2r")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import operator
 import os
 import pickle
 import shutil
@@ -20,8 +19,8 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from .base import (Executor, RegionDeclined, donated_inputs, is_symbolic_glue, keep_promised_strides,
-                   meta_strides_unreliable, promised_strides)
+from .base import (Executor, RegionDeclined, computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,
+                   meta_strides_unreliable, op_name, promised_strides)
 
 
 class InductorExecutor(Executor):
@@ -252,9 +251,6 @@ def _library_ops():
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 
-_VIEW_LIKE = (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
-
-
 def _nothing_to_fuse(gm: fx.GraphModule) -> str | None:
     """Why Inductor would add nothing but compile time to this region (it holds only library
     kernels and views), or None. Under max-autotune Inductor may pick its own GEMM templates."""
@@ -263,13 +259,9 @@ def _nothing_to_fuse(gm: fx.GraphModule) -> str | None:
         return None
     library = _library_ops()
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    for op in ops:
-        if op in library or op is operator.getitem or is_symbolic_glue(op):
-            continue
-        if isinstance(op, torch._ops.OpOverload) and (op.is_view or op in _VIEW_LIKE):
-            continue
+    if not all(op in library or computes_nothing(op) for op in ops):
         return None
-    names = sorted({getattr(op, "_opname", getattr(op, "__name__", str(op))) for op in ops if op in library})
+    names = sorted({op_name(op) for op in ops if op in library})
     return f"nothing to fuse (only library kernels {', '.join(names) or 'none'} and views); eager runs the same kernels"
 
 

@@ -23,9 +23,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-from .base import Executor, is_symbolic_glue
-
-_VIEW_LIKE = (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default)
+from .base import Executor, computes_nothing, op_name
 
 
 def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[str, str]]:
@@ -62,26 +60,24 @@ def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallba
     `[nvfuser, inductor]` the loss tail alternated between them at each slice and scatter nvFuser does
     not take, and three fp32 logits-sized buffers were alive at once where Inductor alone keeps two bf16
     ones (+2.8 GiB on the H200). Moved ops get `meta["island"]`, which the region table reports."""
-    fusion = [e for e in executors if e.kind == "fusion" and e.name != fallback]
-    names = {e.name for e in fusion}
-    library = set().union(*(e.library_ops() for e in fusion)) if fusion else set()
-    members = {n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") in names
+    fusion = {e.name: e for e in executors if e.kind == "fusion" and e.name != fallback}  # in priority order
+    library = set().union(*(e.library_ops() for e in fusion.values()))
+    members = {n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") in fusion
                and n.target not in library and n.target is not operator.getitem}
     members |= {n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] in members}
     for group in _by_barrier_depth(gm, members):
         ops = [n for n in group if n.target is not operator.getitem]
-        # views and shape arithmetic cost nothing wherever they run: only ops that compute split an island
-        owners = {n.meta["executor"] for n in ops if not _is_view(n.target) and not is_symbolic_glue(n.target)}
+        computing = [n for n in ops if not computes_nothing(n.target)]  # only these split an island
+        owners = {n.meta["executor"] for n in computing}
         if len(owners) < 2:
             continue
-        whole = next((e for e in fusion if all(e.claims(n) for n in ops)), None)
+        whole = next((e for e in fusion.values() if all(e.claims(n) for n in ops)), None)
         if whole is None:
             continue
         for other in sorted(owners - {whole.name}):
-            declined = sorted({_op_name(n.target) for n in ops
-                               if not _claims(fusion, other, n) and not is_symbolic_glue(n.target)})
-            note = (f"{other} declined: its ops of this fusible island joined {whole.name}'s, which takes all of "
-                    f"it ({other} does not take {', '.join(declined[:6])})")
+            declined = sorted({op_name(n.target) for n in computing if not fusion[other].claims(n)})
+            note = (f"{other} declined: its ops of this fusible island joined {whole.name}'s, which takes all of it"
+                    + (f" ({other} does not take {', '.join(declined[:6])})" if declined else ""))
             for n in ops:
                 if n.meta["executor"] == other:
                     n.meta["island"] = note
@@ -91,18 +87,6 @@ def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallba
 
 def _is_random(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
-
-
-def _is_view(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _VIEW_LIKE)
-
-
-def _claims(executors, name, node) -> bool:
-    return next(e for e in executors if e.name == name).claims(node)
-
-
-def _op_name(target) -> str:
-    return getattr(target, "_opname", getattr(target, "__name__", str(target)))
 
 
 def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:

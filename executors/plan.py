@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ir import Region, Trace, describe_value, node_value
 
-from .base import Executor, RegionDeclined
+from .base import Executor, RegionDeclined, op_name
 from .dispatch import Assignment, assign
 from .partition import keep_islands_whole, partition
 from .torch_executor import torch_executor
@@ -106,36 +106,39 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
         mark_donated_inputs(gm, donated, {e.name for e in order if e.outputs_may_alias_inputs})
     by_name = {e.name: e for e in order}
     regions, loaded, uncached = [], set(), []
-    compiled: dict[str, tuple[Callable, Region]] = {}  # structure_key -> the first region built
+    compiled: dict[tuple, tuple[Callable, Region]] = {}  # (executor, structure) -> the first region built
     for k, (sub_name, ex_name) in enumerate(named):
         source = gm.get_submodule(sub_name)
         region = _describe(source, first_region_id + k, stage, ex_name, graph_id)
-        island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
-        twin_key = _try_structure_key(source, ex_name)
-        if twin_key in compiled:  # the same region one layer down: run the code built for the first
-            fn, first = compiled[twin_key]
+        structure, why_no_key = _try(structure_key, source)
+        twin = compiled.get((ex_name, structure)) if structure else None
+        if twin is not None:  # the same region one layer down: run the code built for the first
+            fn, first = twin
             region.executor, region.fallback_reason, region.compiled_as = first.executor, first.fallback_reason, first.id
             if first.id in loaded:  # for the cache, a twin of a loaded region is loaded too
                 loaded.add(region.id)
-            gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
-            regions.append(region)
-            continue
-        fn = None
-        key = _try_region_key(source, order, region, uncached) if artifacts is not None else None
-        if key is not None:
-            fn = _load_cached(artifacts.get(key), source, region, by_name, uncached)
-            if fn is not None:
-                loaded.add(region.id)
-        if fn is None:
-            fn, failed = _compile_with_fallback(source, region, by_name[ex_name], order, fallback)
-            if key is not None and not failed:
-                _store(artifacts, key, fn, source, region, by_name[region.executor], uncached)
-            elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
-                uncached.append(f"region {region.id} not cached: an executor failed to compile it")
-        if island:
-            region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
-        if twin_key is not None:
-            compiled[twin_key] = (fn, region)
+        else:
+            fn = None
+            key = None
+            if artifacts is not None and structure:
+                key = region_key(structure, order)
+            elif artifacts is not None:  # e.g. a constant without data: compiled, not cached
+                uncached.append(f"region {region.id} not cached: no key ({why_no_key})")
+            if key is not None:
+                fn = _load_cached(artifacts.get(key), source, region, by_name, uncached)
+                if fn is not None:
+                    loaded.add(region.id)
+            if fn is None:
+                fn, failed = _compile_with_fallback(source, region, by_name[ex_name], order, fallback)
+                if key is not None and not failed:
+                    _store(artifacts, key, fn, source, region, by_name[region.executor], uncached)
+                elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
+                    uncached.append(f"region {region.id} not cached: an executor failed to compile it")
+            island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
+            if island:
+                region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
+            if structure:
+                compiled[(ex_name, structure)] = (fn, region)
         gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
         regions.append(region)
     _set_region_values(gm)
@@ -144,32 +147,14 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     return Execution(out, regions, assignment, loaded, uncached)
 
 
-def region_key(source: fx.GraphModule, order: Sequence[Executor]) -> str:
-    """A hash of what a region's compiled code depends on: its graph, the metadata of its inputs,
-    outputs and constants, and the executors that could compile it (with their options)."""
-    parts = [source.code, *(e.cache_token() for e in order)]
-    for node in source.graph.nodes:
-        if node.op == "placeholder":
-            parts.append(value_signature(node_value(node)) + (" donated" if node.meta.get("donated") else ""))
-        elif node.op == "get_attr":
-            value = getattr(source, node.target)
-            parts.append(value_signature(value))
-            if isinstance(value, torch.Tensor):
-                parts.append(tensor_digest(value))
-        elif node.op == "output":
-            parts += [value_signature(node_value(a)) if isinstance(a, fx.Node) else repr(a)
-                      for a in node.args[0]]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def structure_key(source: fx.GraphModule, executor: str) -> str:
-    """What makes two regions of one stage compile to the same code, whatever their nodes are named:
-    the executor, each node's op, target and arguments by position, and the metadata of every value
-    (shapes, strides, dtypes, donation); constants by their bytes. The 16 layers of a Llama give 16
-    regions per kind with one key: the first is compiled, the others run its code (Inductor would
-    otherwise look each one up in its cache and load it again, ~50 ms apiece)."""
+def structure_key(source: fx.GraphModule) -> str:
+    """A hash of what a region's compiled code depends on, whatever its nodes are named: each node's
+    op, target and arguments by position, the metadata of every value (shapes, strides, dtypes,
+    donation), and constants by their bytes. The 16 layers of a Llama give 16 regions per kind with
+    one hash: the first is compiled, the others run its code (Inductor would otherwise look each one
+    up in its cache and load it again, ~50 ms apiece)."""
     index: dict[fx.Node, str] = {}
-    parts = [executor]
+    parts = []
     for node in source.graph.nodes:
         index[node] = f"%{len(index)}"
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
@@ -182,25 +167,24 @@ def structure_key(source: fx.GraphModule, executor: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _try_structure_key(source: fx.GraphModule, executor: str) -> Optional[str]:
+def region_key(structure: str, order: Sequence[Executor]) -> str:
+    """The compiled-artifact cache's key of a region: its `structure_key` and the executors that
+    could compile it (with their options)."""
+    return hashlib.sha256("\n".join([structure, *(e.cache_token() for e in order)]).encode()).hexdigest()
+
+
+def _try(fn, *args) -> tuple:
+    """(fn(*args), None), or (None, why not)."""
     try:
-        return structure_key(source, executor)
-    except Exception:  # e.g. a constant without data: the region is compiled on its own
-        return None
+        return fn(*args), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
 
 
 def _value_signatures(v) -> str:
     if isinstance(v, (tuple, list)):
         return "(" + ", ".join(_value_signatures(x) for x in v) + ")"
     return value_signature(v) if v is not None else "-"
-
-
-def _try_region_key(source, order, region: Region, notes) -> Optional[str]:
-    try:
-        return region_key(source, order)
-    except Exception as e:  # e.g. a constant without data: the region is compiled, not cached
-        notes.append(f"region {region.id} not cached: no key ({type(e).__name__}: {e})")
-        return None
 
 
 def value_signature(v) -> str:
@@ -294,7 +278,7 @@ def _claims_all(ex: Executor, gm: fx.GraphModule) -> bool:
 
 def _describe(source: fx.GraphModule, rid: int, stage: str, ex_name: str, graph_id: str) -> Region:
     nodes = list(source.graph.nodes)
-    ops = [_short(n.target) for n in nodes if n.op == "call_function" and n.target is not operator.getitem]
+    ops = [op_name(n.target) for n in nodes if n.op == "call_function" and n.target is not operator.getitem]
     ins = [describe_value(node_value(n)) for n in nodes if n.op == "placeholder"]
     out_node = nodes[-1]
     outs = [describe_value(node_value(a)) if isinstance(a, fx.Node) else repr(a)
@@ -388,10 +372,3 @@ def _set_region_values(gm: fx.GraphModule) -> None:
             sub = gm.get_submodule(node.target).source
             out = list(sub.graph.nodes)[-1].args[0]
             node.meta["val"] = tuple(node_value(a) if isinstance(a, fx.Node) else a for a in out)
-
-
-def _short(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        ns = "" if target.namespace == "aten" else f"{target.namespace}."
-        return f"{ns}{target._opname}"
-    return getattr(target, "__name__", str(target))

@@ -35,7 +35,7 @@ def boxed(gm: fx.GraphModule):
 
 
 def _region_calls_boxed(gm: fx.GraphModule, graph: fx.Graph) -> None:
-    """Each region call `region(a, b)` becomes `region.call_boxed(_pack(a, b))`: the generated code
+    """Each region call `region(a, b)` becomes `region.call_boxed(list((a, b)))`: the generated code
     drops its own reference to an argument after its last use — here, the packing — so while the
     region runs only the list holds the inputs it reads last, and a region that empties the list
     (Inductor's) frees them after their last use inside it, not when it returns."""
@@ -43,20 +43,11 @@ def _region_calls_boxed(gm: fx.GraphModule, graph: fx.Graph) -> None:
         if node.op != "call_module" or node.kwargs or not hasattr(gm.get_submodule(node.target), "call_boxed"):
             continue
         with graph.inserting_before(node):
-            region = graph.get_attr(node.target)
-            packed = graph.call_function(_pack, tuple(node.args))
-            call = graph.call_function(_call_boxed, (region, packed))
+            packed = graph.call_function(list, (tuple(node.args),))
+            call = graph.call_method("call_boxed", (graph.get_attr(node.target), packed))
         call.meta = dict(node.meta)
         node.replace_all_uses_with(call)
         graph.erase_node(node)
-
-
-def _pack(*args) -> list:
-    return list(args)
-
-
-def _call_boxed(region, args: list):
-    return region.call_boxed(args)
 
 
 def _single_region(gm: fx.GraphModule):

@@ -1,7 +1,10 @@
 """Differential-testing helpers: run a model in eager and through the pipeline on the same inputs."""
 import copy
+import weakref
 
 import torch
+
+from executors import Executor
 
 
 def run_both(model, *inputs, executors=("torch",), train=False, **jit_kwargs):
@@ -92,3 +95,70 @@ def recording_safe_open(requested: list):
             raise AssertionError(f"{key} was read whole, not through slices")
 
     return SafeOpen
+
+
+class Claiming(Executor):
+    """A test executor claiming a fixed set of ops; it records the regions it is given."""
+
+    def __init__(self, name, ops=(), kind="fusion", tag=None, fail=False):
+        self.name, self.kind, self.ops, self.tag, self.fail = name, kind, set(ops), tag, fail
+        self.received = []
+
+    def claims_op(self, op, node):
+        return op in self.ops or (self.tag is not None and isinstance(op, torch._ops.OpOverload)
+                                  and self.tag in op.tags)
+
+    def compile_region(self, gm, example_inputs):
+        if self.fail:
+            raise RuntimeError(f"{self.name} cannot compile this")
+        self.received.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+
+class FreesInputs(Executor):
+    """A fusion executor whose regions have a boxed entry that frees the inputs it reads last; for
+    each region call it appends to `freed` how many of the region's input tensors died inside it."""
+    name, kind = "frees_inputs", "fusion"
+
+    def __init__(self, freed: list, claim=lambda op: True):
+        self.freed, self.claim = freed, claim
+
+    def claims_op(self, op, node):
+        return self.claim(op)
+
+    def compile_region(self, gm, example_inputs):
+        freed = self.freed
+
+        class Run:
+            def __call__(self, *args):
+                return tuple(gm(*args))
+
+            def boxed(self, args):
+                refs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)]
+                out = tuple(gm(*args))
+                args.clear()
+                freed.append(sum(r() is None for r in refs))
+                return out
+        return Run()
+
+
+def assert_llama_step_matches_eager(config, executors, batch=2):
+    """One training step of a bf16 Llama with an fp32 loss through `pipeline.jit(executors)`, then
+    the same step in eager on the same parameters: loss and every gradient match (bf16 tolerances).
+    Returns the jitted model, for its region table."""
+    import pipeline
+    from models import LanguageModelLoss, Llama
+    torch.manual_seed(0)
+    model = LanguageModelLoss(Llama(config), fp32_loss=True).bfloat16()
+    cm = pipeline.jit(model, executors=list(executors))
+    tokens = torch.randint(0, config.vocab, (batch, config.max_seq))
+    loss = cm(tokens)
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    model.zero_grad()
+    expected = model(tokens)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-2, rtol=1e-2)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad.float(), atol=2e-2, rtol=5e-2, msg=n)
+    return cm

@@ -292,17 +292,9 @@ def test_a_region_whose_compile_failed_is_compiled_again_next_time(mlp):
 def test_a_stage_with_identical_regions_hits(monkeypatch):
     """Regions that run an identical earlier region's code are neither compiled nor loaded: a warm
     cache still counts them as loaded, and reports a hit."""
-    from executors import Executor
+    from helpers import Claiming
 
-    class Pointwise(Executor):
-        name, kind = "pointwise", "fusion"
-
-        def claims_op(self, op, node):
-            return torch.Tag.pointwise in getattr(op, "tags", ())
-
-        def compile_region(self, gm, example_inputs):
-            return gm.forward
-
+    class Pointwise(Claiming):  # its regions stored and rebuilt as their graphs, as torch's are
         def artifact_unsupported_reason(self, gm, example_inputs):
             return None
 
@@ -318,7 +310,7 @@ def test_a_stage_with_identical_regions_hits(monkeypatch):
     x = torch.randn(6)
     for expected in ("miss", "hit"):
         torch._dynamo.reset()
-        cf = pipeline.jit(two_layers, executors=[Pointwise()])
+        cf = pipeline.jit(two_layers, executors=[Pointwise("pointwise", tag=torch.Tag.pointwise)])
         assert torch.equal(cf(x), two_layers(x))
         assert pipeline.compile_stats(cf).cache == {"g0": expected}
         assert [r.compiled_as for r in pipeline.regions(cf)][:3] == [None, None, 0]

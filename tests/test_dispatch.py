@@ -6,27 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import pipeline
-from executors import Executor
+from helpers import Claiming, FreesInputs
 
 aten = torch.ops.aten
-
-
-class Claiming(Executor):
-    """A test executor claiming a fixed set of ops; it records the regions it is given."""
-
-    def __init__(self, name, ops=(), kind="fusion", tag=None, fail=False):
-        self.name, self.kind, self.ops, self.tag, self.fail = name, kind, set(ops), tag, fail
-        self.received = []
-
-    def claims_op(self, op, node):
-        return op in self.ops or (self.tag is not None and isinstance(op, torch._ops.OpOverload)
-                                  and self.tag in op.tags)
-
-    def compile_region(self, gm, example_inputs):
-        if self.fail:
-            raise RuntimeError(f"{self.name} cannot compile this")
-        self.received.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
-        return gm.forward
 
 
 def silu_plus_one(x):
@@ -157,32 +139,9 @@ def test_a_one_region_stage_lets_the_region_free_saved_activations():
     """A stage that is a single region gets the argument list itself, so a region that frees its
     inputs early (Inductor's `boxed` entry) frees the saved activations during the backward — no
     frame of the pipeline keeps them alive until the region returns."""
-    import weakref
-
-
     freed = []
-
-    class FreesInputs(Executor):
-        name, kind = "frees_inputs", "fusion"
-
-        def claims_op(self, op, node):
-            return True
-
-        def compile_region(self, gm, example_inputs):
-            class Run:
-                def __call__(self, *args):
-                    return tuple(gm(*args))
-
-                def boxed(self, args):
-                    refs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)]
-                    out = tuple(gm(*args))
-                    args.clear()
-                    freed.append(sum(r() is None for r in refs))
-                    return out
-            return Run()
-
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    cm = pipeline.jit(model, executors=[FreesInputs()])
+    cm = pipeline.jit(model, executors=[FreesInputs(freed)])
     x = torch.randn(3, 8)
     cm(x).sum().backward()
     eager = copy.deepcopy(model)
@@ -196,20 +155,11 @@ def test_a_one_region_stage_lets_the_region_free_saved_activations():
 def test_inductor_declines_regions_with_nothing_to_fuse():
     """A region of only library kernels (matmuls, attention) and views gains nothing from Inductor
     but its compile time: Inductor declines it, it runs on `torch`, and the table says why."""
-    class Pointwise(Executor):
-        name, kind = "pointwise", "fusion"
-
-        def claims_op(self, op, node):
-            return torch.Tag.pointwise in getattr(op, "tags", ())
-
-        def compile_region(self, gm, example_inputs):
-            return gm.forward
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Tanh(), torch.nn.Linear(16, 4, bias=False))
     eager = copy.deepcopy(model)
     x = torch.randn(3, 8)
-    cm = pipeline.jit(model, executors=[Pointwise(), "inductor"])
+    cm = pipeline.jit(model, executors=[Claiming("pointwise", tag=torch.Tag.pointwise), "inductor"])
     out = cm(x)
     out.sum().backward()
     ref = eager(x)
@@ -319,32 +269,12 @@ def test_an_island_no_fusion_executor_takes_whole_stays_split():
 def test_a_region_of_a_many_region_stage_can_free_the_inputs_it_reads_last():
     """Regions of a stage with several regions are called with an argument list too: the saved
     activation that a backward region reads last dies inside that region, not when it returns."""
-    import weakref
-
     freed = []
-
-    class FreesInputs(Executor):
-        name, kind = "frees_inputs", "fusion"
-
-        def claims_op(self, op, node):
-            return op is not aten.mm.default  # the matmuls run on torch: several regions per stage
-
-        def compile_region(self, gm, example_inputs):
-            class Run:
-                def __call__(self, *args):
-                    return tuple(gm(*args))
-
-                def boxed(self, args):
-                    refs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)]
-                    out = tuple(gm(*args))
-                    args.clear()
-                    freed.append(sum(r() is None for r in refs))
-                    return out
-            return Run()
-
+    # the matmuls run on torch: several regions per stage
+    frees = FreesInputs(freed, claim=lambda op: op is not aten.mm.default)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     eager = copy.deepcopy(model)
-    cm = pipeline.jit(model, executors=[FreesInputs()])
+    cm = pipeline.jit(model, executors=[frees])
     x = torch.randn(3, 8)
     cm(x).sum().backward()
     eager(x).sum().backward()
