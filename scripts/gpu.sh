@@ -7,6 +7,8 @@
 #   scripts/gpu.sh tests       on the GPU machine: every test — the `cuda`-marked ones and the CPU suite
 #                              under that machine's torch (2.11).
 #   scripts/gpu.sh bench [..]  on the GPU machine: benchmarks/train_gpu.py (arguments passed on).
+#   scripts/gpu.sh race [..]   on the GPU machine: benchmarks/region_race.py (nvFuser's regions vs
+#                              Inductor's on the same graphs; arguments passed on).
 #
 # With this workplace's device tool: run(command="scripts/gpu.sh tests", carry=[".device", ".whl"]).
 # To run exactly the committed tree while the working tree has edits in flight, snapshot it first:
@@ -41,5 +43,6 @@ case "$what" in
     [ ${#paths[@]} -eq 0 ] && set -- "$@" tests/
     python3 -m pytest -q --timeout 600 -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" ;;
   bench) python3 benchmarks/train_gpu.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" ;;
-  *) echo "usage: scripts/gpu.sh pack|tests|bench [args]"; exit 2 ;;
+  race)  python3 benchmarks/region_race.py "$@" 2>&1 | tee "$OUT/race.log" ;;
+  *) echo "usage: scripts/gpu.sh pack|tests|bench|race [args]"; exit 2 ;;
 esac
