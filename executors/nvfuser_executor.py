@@ -252,7 +252,7 @@ for _overload, _name in _UNARY.items():
 
 _BINARY = {aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "truediv", aten.div.Scalar: "truediv",
            aten.maximum.default: "maximum", aten.minimum.default: "minimum",
-           aten.pow.Tensor_Scalar: "pow", aten.pow.Tensor_Tensor: "pow", aten.pow.Scalar: "pow",
+           aten.pow.Tensor_Tensor: "pow", aten.pow.Scalar: "pow",
            aten.eq.Tensor: "eq", aten.eq.Scalar: "eq", aten.ne.Tensor: "ne", aten.ne.Scalar: "ne",
            aten.lt.Tensor: "lt", aten.lt.Scalar: "lt", aten.le.Tensor: "le", aten.le.Scalar: "le",
            aten.gt.Tensor: "gt", aten.gt.Scalar: "gt", aten.ge.Tensor: "ge", aten.ge.Scalar: "ge",
@@ -274,6 +274,25 @@ def _sub(fd, node, a, b, alpha=1):
 @_op(aten.rsub.Scalar, aten.rsub.Tensor)
 def _rsub(fd, node, a, b, alpha=1):
     return fd.ops.sub(b, a if alpha == 1 else fd.ops.mul(a, alpha))
+
+
+@_op(aten.pow.Tensor_Scalar)
+def _pow_scalar(fd, node, x, exponent):
+    """x ** c with the exponents norms and their gradients use as multiplies or roots: nvFuser emits
+    a general powf otherwise (tens of instructions per element; Inductor rewrites these too)."""
+    if exponent == 1:
+        return fd.ops.set(x)
+    if exponent == 2:
+        return fd.ops.mul(x, x)
+    if exponent == 3:
+        return fd.ops.mul(fd.ops.mul(x, x), x)
+    if exponent == 0.5:
+        return fd.ops.sqrt(x)
+    if exponent == -0.5:
+        return fd.ops.rsqrt(x)
+    if exponent == -1:
+        return fd.ops.reciprocal(x)
+    return fd.ops.pow(x, exponent)
 
 
 @_op(aten.where.self)

@@ -112,6 +112,27 @@ def test_te_nvfuser_inductor_route_ops_by_priority():
     assert any(r.executor == "nvfuser" and "rsqrt" in r.ops for r in table)
 
 
+@pytest.mark.parametrize("exponent", [1, 2, 3, 0.5, -0.5, -1, 1.7])
+def test_nvfuser_pow_by_a_scalar_matches_eager(exponent):
+    """Small exponents become multiplies or roots in nvFuser; values and gradients stay eager's."""
+    _require("nvfuser")
+
+    def fn(x):
+        return (x.pow(exponent) * 3).sum(-1)
+
+    x = (torch.rand(64, 96, device="cuda") + 0.5).requires_grad_()
+    cm = pipeline.jit(fn, executors=["nvfuser"])
+    out = cm(x)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    x2 = x.detach().clone().requires_grad_()
+    want = fn(x2)
+    want.sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, x2.grad, rtol=1e-5, atol=1e-5)
+    table = pipeline.regions(cm)
+    assert {r.executor for r in table if r.stage == "forward"} == {"nvfuser"}, str(table)
+
+
 def relative_error(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
