@@ -38,6 +38,31 @@ def test_llama_qkv_and_gate_up_become_one_linear_each_and_train_like_eager():
     assert linear_count(captured) == 15 and linear_count(grouped_trace(cm)) == 9
 
 
+@pytest.mark.parametrize("with_te", [False, True])
+def test_stacked_weights_are_rebuilt_in_the_backward_not_saved(with_te, request):
+    """Saving the stacked weights for the backward GEMM would keep a second copy of every grouped
+    weight alive from forward to backward; the backward concatenates them again instead."""
+    executors = [request.getfixturevalue("te_on_cpu"), "torch"] if with_te else ["torch"]
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    eager = copy.deepcopy(model)
+    tokens = torch.randint(0, CONFIG.vocab, (2, 16))
+    cm = pipeline.jit(model, executors=executors, transforms=[] if with_te else [group_linears()])
+    cm(tokens).square().mean().backward()
+    eager(tokens).square().mean().backward()
+    traces = pipeline.last_traces(cm)
+    forward, backward = (next(t for t in traces if t.name.endswith(s)) for s in ("_forward", "_backward"))
+    saved = forward.module.graph.output_node().args[0]
+    stacks = [n for n in forward.module.graph.nodes if n.target is torch.ops.aten.cat.default
+              and all(a.op == "placeholder" for a in n.args[0])]  # the stacked weights
+    assert len(stacks) == 2 * CONFIG.layers and not set(stacks) & set(saved), forward.module.code
+    rebuilt = [n for n in backward.module.graph.nodes if n.target is torch.ops.aten.cat.default
+               and all(a.op == "placeholder" for a in n.args[0])]
+    assert len(rebuilt) == 2 * CONFIG.layers, backward.module.code
+    for (name, p), (_, e) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, e.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 class ThreeHeads(torch.nn.Module):
     def __init__(self):
         super().__init__()
