@@ -23,7 +23,8 @@ import torch.fx as fx
 
 from ir import node_value
 
-from .base import Executor, cuda_library_missing, keep_promised_strides, promised_strides
+from .base import (Executor, RegionDeclined, computes_nothing, cuda_library_missing, keep_promised_strides,
+                   promised_strides)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -61,6 +62,8 @@ class NvFuserExecutor(Executor):
         return check is None or check(node)
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
+        if all(computes_nothing(n.target) for n in gm.graph.nodes if n.op == "call_function"):
+            raise RegionDeclined("nothing to compute (only views): eager views cost less than a fusion's launch")
         # Build and run once now on zero-filled inputs, so a missing translation or a kernel nvFuser
         # cannot compile makes the region fall back to the next executor instead of failing a step.
         from torch._subclasses.fake_tensor import unset_fake_temporarily

@@ -27,6 +27,7 @@ from transforms import TracePass
 from . import cuda_graphs
 from .cache import GraphCache
 from .record import GraphRecord
+from .save_policy import recompute_upcasts
 from .runtime_wrappers import BoxedStage, graph_wrappers, post_compile_all, pre_compile_all, wrapper_metadata
 from .specs import captured_input_specs, lowered_input_specs, lowered_output_specs
 
@@ -105,7 +106,8 @@ class PipelineBackend:
         return post_compile_all(wrappers, compiled)
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
-        """AOTAutograd's partition hook: joint passes run here, then the min-cut partitioner."""
+        """AOTAutograd's partition hook: joint passes run here, then the min-cut partitioner (which
+        saves no fp32 copy of a half-precision value: `save_policy.py`)."""
         passes = [p for p in self.state.passes if p.runs_on == "joint"]
         if passes:
             trace = Trace(joint, name=f"{record.graph_id}_joint", level="aten",
@@ -115,6 +117,7 @@ class PipelineBackend:
                           provenance=captured.provenance + (Step("lower (joint)"),))
             trace = self._run_passes("joint", record.add_trace(trace), record)
             joint = trace.module
+        recompute_upcasts(joint, kwargs["num_fwd_outputs"])
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def _lower_stage(self, stage: str, gm: fx.GraphModule, example_inputs, *, record: GraphRecord,

@@ -53,3 +53,17 @@ def test_te_nvfuser_inductor_on_the_cpu_matches_eager(te_on_cpu, nvfuser_claims_
     assert {"te", "nvfuser", "inductor"} <= {r.executor for r in table}, str(table)
     assert not [r.id for r in table if "failed to compile" in (r.fallback_reason or "")], str(table)
     assert any(r.compiled_as is not None for r in table if r.executor == "nvfuser")
+
+
+def test_nvfuser_leaves_regions_of_only_views_to_eager_with_the_reason(nvfuser_claims_on_cpu):
+    """A region of views only (weight transposes between TE's or Inductor's regions) computes
+    nothing: nvFuser declines it (a fusion's launch costs more than eager's views) and says why."""
+    config = LlamaConfig(vocab=256, dim=64, layers=1, heads=4, kv_heads=2, hidden=128, max_seq=16)
+    cm = assert_llama_step_matches_eager(config, [nvfuser_claims_on_cpu, "inductor"])
+    table = pipeline.regions(cm)
+    views_only = [r for r in table if all(op in ("t", "view", "transpose", "alias", "_unsafe_view", "permute")
+                                          for op in r.ops)]
+    assert views_only, str(table)
+    for r in views_only:
+        assert r.executor == "torch" and "nvfuser declined: nothing to compute" in r.fallback_reason, str(table)
+    assert any(r.executor == "nvfuser" for r in table), str(table)

@@ -41,7 +41,7 @@ def _jitted(executors):
 
 
 def _is_logits_sized(t):
-    return t.dim() == 2 and t.shape[-1] == VOCAB
+    return t.dim() >= 2 and t.shape[-1] == VOCAB
 
 
 def test_with_inductor_the_loss_saves_bf16_logits_not_fp32_log_probabilities():
@@ -76,3 +76,35 @@ def test_inductor_computes_the_nll_gradient_inline_not_in_a_logits_sized_buffer(
     assert before, "the backward region should compute the NLL gradient"
     scatters = (torch.ops.aten.scatter.value, torch.ops.aten.scatter.src)
     assert not [n for n in after.graph.nodes if n.target in scatters], after.code
+
+
+def test_a_linear_returning_a_list_still_leaves_the_loss_saving_bf16_logits(te_on_cpu):
+    """TE's linear is a custom op returning a list: one `getitem` more between the logits and the
+    backward, and by the partitioner's distance weighting the fp32 log-probabilities were saved
+    (0.98 GiB at 8k tokens). No fp32 copy of a half-precision value is saved (`save_policy.py`)."""
+    model, tokens, cm = _jitted([te_on_cpu, LikeInductor()])
+    assert_step_matches_eager(model, cm, tokens, rtol=2e-2, atol=1e-3)
+    saved = _saved_for_backward(cm)
+    assert not [t for t in saved if _is_logits_sized(t) and t.dtype == torch.float32]
+    assert [t for t in saved if _is_logits_sized(t) and t.dtype == torch.bfloat16]
+
+
+def test_upcast_values_are_recomputed_unless_already_tagged():
+    """The rule on a joint graph: the upcast and the full-size fp32 values computed from it are
+    tagged for recomputation; a reduction of them, a random op and a value tagged before are not."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from pipeline.save_policy import recompute_upcasts
+
+    def f(x):
+        y = x.float()
+        z = (y * 2).exp()
+        return z.sum(-1), y + torch.rand_like(y), z.to(torch.bfloat16)
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(4, 8, dtype=torch.bfloat16))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    nodes["exp"].meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    assert recompute_upcasts(gm, num_fwd_outputs=3) == 3
+    tagged = {name for name, n in nodes.items() if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
+    assert tagged == {"_to_copy", "mul", "add"}, gm.code
+    assert nodes["exp"].meta["recompute"] == CheckpointPolicy.MUST_SAVE  # tagged before: kept
