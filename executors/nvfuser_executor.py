@@ -282,7 +282,10 @@ def _rsub(fd, node, a, b, alpha=1):
 @_op(aten.pow.Tensor_Scalar)
 def _pow_scalar(fd, node, x, exponent):
     """x ** c with the exponents norms and their gradients use as multiplies or roots: nvFuser emits
-    a general powf otherwise (tens of instructions per element; Inductor rewrites these too)."""
+    a general powf otherwise (tens of instructions per element; Inductor rewrites these too). Integer
+    tensors keep `pow`, which promotes a float exponent as eager does (x*x would stay integer)."""
+    if not node_value(node.args[0]).dtype.is_floating_point:
+        return fd.ops.pow(x, exponent)
     if exponent == 1:
         return fd.ops.set(x)
     if exponent == 2:

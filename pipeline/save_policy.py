@@ -7,11 +7,12 @@ min-cut partitioner weighs a saved value by its size times 1.1 per op between it
 so which one it keeps turns on a single op more or less on the way: a linear whose custom op returns
 a list (Transformer Engine's) adds a `getitem`, and the fp32 one was saved.
 
-This rule marks, on the joint graph, every forward value that is a full-size fp32 function of an
-upcast half-precision value (the upcast, then pointwise ops, views and copies of it) as one to
-recompute, with the tags activation checkpointing uses; the partitioner then saves the half-precision
-value or something smaller (a reduction) instead. Values already tagged (by `checkpoint`, say) and
-random ops are left alone.
+This rule marks, on the joint graph, every forward value that is a full-size fp32 function of one
+upcast half-precision value (the upcast, then pointwise ops, views and copies of it, with scalars or
+smaller broadcast tensors beside it) as one to recompute, with the tags activation checkpointing
+uses; the partitioner then saves the half-precision value or something smaller (a reduction)
+instead. Values already tagged (by `checkpoint`, say), random ops, the forward's outputs and graphs
+with `torch.utils.checkpoint` regions are left alone.
 """
 from __future__ import annotations
 
@@ -29,9 +30,19 @@ _COPIES = (aten.clone.default, aten._unsafe_view.default, aten.contiguous.defaul
 
 def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Tags the fp32 values derived from upcast half-precision ones for recomputation; returns how
-    many were tagged."""
+    many were tagged.
+
+    A value counts as derived when its full-size inputs all derive from one upcast (others may be
+    scalars or smaller, broadcast tensors: `x - amax`), so recomputing it needs nothing big besides
+    the half-precision source. Left alone: the forward's outputs (the user's results, buffers the
+    forward updates), values already tagged, random ops, and graphs with `torch.utils.checkpoint`
+    regions (their boundaries are the user's choice)."""
+    if any("ac_graph_id" in n.meta for n in joint.graph.nodes):
+        return 0
+    output = joint.graph.output_node()
+    returned = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
     forward = _forward_nodes(joint, num_fwd_outputs)
-    derived: dict[fx.Node, int] = {}  # node -> numel of the upcast value it is a full-size function of
+    root: dict[fx.Node, fx.Node] = {}  # derived node -> the upcast it is a full-size function of
     for node in joint.graph.nodes:
         if node not in forward or node.op != "call_function" or "recompute" in node.meta:
             continue
@@ -41,14 +52,34 @@ def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
         if node.target in _UPCASTS:
             source = node_value(node.args[0])
             if isinstance(source, torch.Tensor) and source.dtype in _HALF:
-                derived[node] = value.numel()
+                root[node] = node
             continue
-        sizes = [derived[a] for a in node.all_input_nodes if a in derived]
-        if sizes and _elementwise_or_layout(node.target) and value.numel() >= min(sizes):
-            derived[node] = min(sizes)
-    for node in derived:
+        if _elementwise_or_layout(node.target):
+            upcast = _single_root(node, value, root)
+            if upcast is not None:
+                root[node] = upcast
+    tagged = [n for n in root if n not in returned]
+    for node in tagged:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    return len(derived)
+    return len(tagged)
+
+
+def _single_root(node: fx.Node, value: torch.Tensor, root: dict) -> fx.Node | None:
+    """The upcast every full-size tensor input of `node` derives from, or None (none does, two do,
+    an input as large as the output is not derived, or sizes are not known to compare)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    roots = set()
+    for a in node.all_input_nodes:
+        v = node_value(a)
+        if not isinstance(v, torch.Tensor):
+            continue
+        if a in root:
+            if not statically_known_true(v.numel() == value.numel()):
+                return None
+            roots.add(root[a])
+        elif not statically_known_true(v.numel() < value.numel()):
+            return None
+    return roots.pop() if len(roots) == 1 else None
 
 
 def _forward_nodes(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:

@@ -1,6 +1,8 @@
 """What the forward saves for the backward: with Inductor listed, the loss keeps the bf16 logits and
 two small reductions, not the fp32 log-probabilities (as torch.compile does); with only `torch`, ops
 stay whole, so the torch executor still runs eager's own kernels."""
+import copy
+
 import torch
 
 import pipeline
@@ -90,8 +92,10 @@ def test_a_linear_returning_a_list_still_leaves_the_loss_saving_bf16_logits(te_o
 
 
 def test_upcast_values_are_recomputed_unless_already_tagged():
-    """The rule on a joint graph: the upcast and the full-size fp32 values computed from it are
-    tagged for recomputation; a reduction of them, a random op and a value tagged before are not."""
+    """The rule on a joint graph: the upcast and the full-size fp32 values computed from it alone
+    (scalars and smaller broadcast tensors beside it) are tagged for recomputation; not a value
+    that also reads another full-size tensor (a random one here), a reduction, a value tagged
+    before, or a value the forward returns."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     from pipeline.save_policy import recompute_upcasts
@@ -99,12 +103,43 @@ def test_upcast_values_are_recomputed_unless_already_tagged():
     def f(x):
         y = x.float()
         z = (y * 2).exp()
-        return z.sum(-1), y + torch.rand_like(y), z.to(torch.bfloat16)
+        shifted = y - y.amax(-1, keepdim=True)
+        noisy = y + torch.rand_like(y)
+        return z.sum(-1), noisy.sum(-1), shifted.exp()
 
     gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(4, 8, dtype=torch.bfloat16))
     nodes = {n.name: n for n in gm.graph.nodes}
     nodes["exp"].meta["recompute"] = CheckpointPolicy.MUST_SAVE
     assert recompute_upcasts(gm, num_fwd_outputs=3) == 3
     tagged = {name for name, n in nodes.items() if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
-    assert tagged == {"_to_copy", "mul", "add"}, gm.code
+    assert tagged == {"_to_copy", "mul", "sub"}, gm.code   # not amax, add (+ rand), exp_1 (returned)
     assert nodes["exp"].meta["recompute"] == CheckpointPolicy.MUST_SAVE  # tagged before: kept
+
+    # a graph with torch.utils.checkpoint regions keeps the user's choices
+    user = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(4, 8, dtype=torch.bfloat16))
+    next(iter(user.graph.nodes)).meta["ac_graph_id"] = 0
+    assert recompute_upcasts(user, num_fwd_outputs=3) == 0
+
+
+def test_a_buffer_updated_from_an_upcast_value_trains_like_eager():
+    """The forward's outputs (here a buffer's new value) are never tagged: the backward would
+    rebuild it from the buffer the forward already overwrote (autograd raised, found in review)."""
+    class EMA(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter((torch.randn(64, 64) * 0.05).bfloat16())
+            self.register_buffer("ema", torch.zeros(32, 64))
+
+        def forward(self, x):
+            y = (x @ self.w).float()
+            self.ema.mul_(0.9).add_((y.tanh() * 0.1).detach())
+            return (y.tanh() * self.ema).sum()
+
+    torch.manual_seed(0)
+    model = EMA()
+    eager = copy.deepcopy(model)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    pipeline.jit(model, executors=["torch"])(x).backward()
+    eager(x).backward()
+    torch.testing.assert_close(model.w.grad, eager.w.grad, rtol=0, atol=0)
+    torch.testing.assert_close(model.ema, eager.ema, rtol=0, atol=0)
