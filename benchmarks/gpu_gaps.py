@@ -10,7 +10,9 @@ innermost CPU event running at that time, under the region (`region12:te`) it be
 """
 import collections
 import json
+import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -73,6 +75,15 @@ KERNEL_KINDS = [
     ("aten reductions/index", r"reduce_kernel|index|scatter|gather|embedding|sort|radix|cub::"),
     ("aten elementwise/copy", r"elementwise|vectorized|unrolled|copy|fill|memset|memcpy"),
 ]
+
+
+def chrome_trace(prof, path: str | None = None) -> dict:
+    """A torch.profiler run as its chrome-trace dict (kept at `path` when given)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = path or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)
 
 
 def kernel_kinds(trace: dict) -> list[str]:

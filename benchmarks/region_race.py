@@ -10,11 +10,9 @@ time of both, how many kernels each launches, and the ops. The totals say what a
 every region ran on the faster one. CUDA events, 3 warm-up calls, median of 20.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -26,6 +24,7 @@ import pipeline  # noqa: E402
 from executors.plan import CompiledRegion, _compile_isolated  # noqa: E402
 from ir import node_value  # noqa: E402
 from models import LanguageModelLoss, Llama, LlamaConfig  # noqa: E402
+from gpu_gaps import chrome_trace  # noqa: E402
 from pipeline.inspect import _clip, _summarize  # noqa: E402
 
 
@@ -78,11 +77,7 @@ def kernels(fn, args):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(*args)
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
+    events = chrome_trace(prof).get("traceEvents", [])
     return [(e["name"], e["dur"]) for e in sorted(events, key=lambda e: e.get("ts", 0))
             if e.get("ph") == "X" and e.get("cat") == "kernel"]
 

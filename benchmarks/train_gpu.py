@@ -109,7 +109,7 @@ def top_kernels(step, n=30, trace_file=None):
     from torch.profiler import ProfilerActivity, profile
 
     from executors.plan import CompiledRegion
-    from gpu_gaps import idle_gaps, kernel_kinds
+    from gpu_gaps import chrome_trace, idle_gaps, kernel_kinds
     CompiledRegion.profiling = True  # regions as named ranges, to attribute idle time to them
     try:
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])) as prof:
@@ -125,12 +125,8 @@ def top_kernels(step, n=30, trace_file=None):
         f"{getattr(e, field) / 1e3:7.2f} ms x{e.count:<4} {e.key[:110]}" for e in events[:n]]
     if DEVICE != "cuda":
         return kernels, []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = trace_file or os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-        return kernels, kernel_kinds(trace) + idle_gaps(trace)
+    trace = chrome_trace(prof, trace_file)
+    return kernels, kernel_kinds(trace) + idle_gaps(trace)
 
 
 def run_row(name, how, config, batches, profile=False, args_trace_dir=None):

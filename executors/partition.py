@@ -19,9 +19,10 @@ import math
 import operator
 from typing import Sequence
 
-import torch
 import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+from ir import is_random
 
 from .base import Executor, computes_nothing, op_name
 
@@ -85,10 +86,6 @@ def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallba
             n.meta["executor"] = whole.name
 
 
-def _is_random(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
-
-
 def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
     """The assigned nodes grouped by barrier depth (see the module docstring), each group in graph order."""
     def is_barrier(n: fx.Node) -> bool:  # an op of another executor, or a region made already
@@ -122,7 +119,7 @@ def _outputs_as_early_as_possible(gm: fx.GraphModule, assigned: set, depth: dict
     bound = set()  # assigned nodes all of whose uses lead only to the output
     for node in reversed(gm.graph.nodes):
         if node in assigned and node.users and all(u in bound or u.op == "output" for u in node.users) \
-                and not _is_random(node.target):  # random ops keep their order: eager's draws
+                and not is_random(node):  # random ops keep their order: eager's draws
             bound.add(node)
     earliest: dict[fx.Node, float] = {}
     for node in gm.graph.nodes:

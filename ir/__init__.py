@@ -2,11 +2,13 @@
 
 Depends on torch.fx only; no other package of this project.
 """
-from .trace import InputSpec, OutputSpec, Step, Trace, describe_value, fake_like, node_value
+from .trace import (InputSpec, OutputSpec, Step, Trace, describe_value, fake_like, is_random, node_value,
+                    output_ancestors)
 from .printer import python_callable, python_globals, python_source
 from .interpret import interpret
 from .verify import TraceError, verify
 from .region import Region
 
 __all__ = ["Trace", "InputSpec", "OutputSpec", "Step", "Region", "TraceError", "verify", "interpret",
-           "python_source", "python_callable", "python_globals", "describe_value", "fake_like", "node_value"]
+           "python_source", "python_callable", "python_globals", "describe_value", "fake_like", "node_value",
+           "is_random", "output_ancestors"]

@@ -138,6 +138,25 @@ def node_value(node: fx.Node) -> Any:
     return meta["val"] if "val" in meta else meta.get("example_value")
 
 
+def is_random(node: fx.Node) -> bool:
+    """Whether the node's op draws random numbers: recomputing or reordering it changes the draws."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def output_ancestors(gm: fx.GraphModule, count: int) -> set[fx.Node]:
+    """The nodes the first `count` outputs of `gm` depend on (of a joint graph: its forward)."""
+    output = gm.graph.output_node()
+    stack = [a for a in output.args[0][:count] if isinstance(a, fx.Node)]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
 def fake_like(like: torch.Tensor, shape, *, stride=None, dtype=None, device=None) -> torch.Tensor:
     """An empty tensor of `shape` (and `stride`) in the fake mode of `like`, with `like`'s dtype and
     device unless given: the metadata a pass sets on the nodes it creates. A meta tensor when `like`

@@ -107,7 +107,7 @@ class PipelineBackend:
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
         """AOTAutograd's partition hook: joint passes run here, then the min-cut partitioner (which
-        saves no fp32 copy of a half-precision value: `save_policy.py`)."""
+        saves no fp32 value computed from one upcast half-precision value: `save_policy.py`)."""
         passes = [p for p in self.state.passes if p.runs_on == "joint"]
         if passes:
             trace = Trace(joint, name=f"{record.graph_id}_joint", level="aten",

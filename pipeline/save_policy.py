@@ -1,4 +1,4 @@
-"""What the forward may save for the backward: never an fp32 copy of a half-precision value.
+"""What the forward saves for the backward: no fp32 value computed from one upcast half-precision one.
 
 A loss computed in fp32 from bf16 logits (`logits.float()`, then log-softmax) can save either the
 bf16 logits and two per-token reductions, recomputing the rest in the backward, or an fp32
@@ -20,12 +20,12 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ir import node_value
+from ir import is_random, node_value, output_ancestors
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _HALF = (torch.bfloat16, torch.float16)
 _UPCASTS = (aten._to_copy.default, prims.convert_element_type.default)
-_COPIES = (aten.clone.default, aten._unsafe_view.default, aten.contiguous.default)
+_COPIES = (aten.clone.default, aten._unsafe_view.default)
 
 
 def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
@@ -41,13 +41,13 @@ def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
         return 0
     output = joint.graph.output_node()
     returned = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
-    forward = _forward_nodes(joint, num_fwd_outputs)
+    forward = output_ancestors(joint, num_fwd_outputs)
     root: dict[fx.Node, fx.Node] = {}  # derived node -> the upcast it is a full-size function of
     for node in joint.graph.nodes:
         if node not in forward or node.op != "call_function" or "recompute" in node.meta:
             continue
         value = node_value(node)
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or _is_random(node):
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or is_random(node):
             continue
         if node.target in _UPCASTS:
             source = node_value(node.args[0])
@@ -82,23 +82,8 @@ def _single_root(node: fx.Node, value: torch.Tensor, root: dict) -> fx.Node | No
     return roots.pop() if len(roots) == 1 else None
 
 
-def _forward_nodes(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
-    output = joint.graph.output_node()
-    stack = [a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)]
-    seen: set[fx.Node] = set()
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
-
-
 def _elementwise_or_layout(target) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return False
     return torch.Tag.pointwise in target.tags or target.is_view or target in _COPIES
 
-
-def _is_random(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags

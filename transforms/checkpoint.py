@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ir import Trace
+from ir import Trace, is_random, output_ancestors
 
 from .base import TracePass
 
@@ -59,7 +59,7 @@ def checkpoint(policy: Union[str, Callable[[fx.Node], bool]] = "selective") -> T
         for node in forward_ops(gm, trace):
             if node.target is operator.getitem:
                 node.meta["recompute"] = node.args[0].meta.get("recompute")
-            elif _is_random(node) or save(node):
+            elif is_random(node) or save(node):
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             else:
                 node.meta["recompute"] = recompute
@@ -70,19 +70,6 @@ def checkpoint(policy: Union[str, Callable[[fx.Node], bool]] = "selective") -> T
 
 def forward_ops(gm: fx.GraphModule, trace: Trace) -> list[fx.Node]:
     """The ops the forward outputs depend on (the joint trace's outputs say which are forward)."""
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     n_forward = sum(1 for s in trace.outputs if s.kind == "forward_output")
-    stack = [a for a in output.args[0][:n_forward] if isinstance(a, fx.Node)]
-    seen: set[fx.Node] = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return [n for n in gm.graph.nodes if n in seen and n.op == "call_function"]
-
-
-def _is_random(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    forward = output_ancestors(gm, n_forward)
+    return [n for n in gm.graph.nodes if n in forward and n.op == "call_function"]

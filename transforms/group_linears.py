@@ -7,8 +7,8 @@ activations. One GEMM with the weights stacked along N replaces each group: fewe
 concatenated in the trace on every call (a copy of the group's weights; autodiff splits the gradient
 back), and again in the backward where its GEMM needs them: the partitioner would otherwise keep the
 copy alive from forward to backward, a second copy of every grouped weight (0.9 GiB on the 1B Llama
-in bf16; `recompute` tag, as activation checkpointing sets). The output is split along its last dim, so results equal the separate linears up to GEMM
-rounding. A piece is a strided slice; where the model `.view()`s it in a way a slice cannot be
+in bf16; `recompute` tag, as activation checkpointing sets). The output is split along its last
+dim, so results equal the separate linears up to GEMM rounding. A piece is a strided slice; where the model `.view()`s it in a way a slice cannot be
 viewed (merging its last dim), that piece is copied contiguous first. Runs before autodiff, on the torch-level trace; with `te` listed, ask TE for it instead
 (`te.options(group_linears=True)`), since TE swaps the linears before the passes run.
 """
