@@ -39,12 +39,32 @@ def idle_gaps(trace: dict, min_gap_us: float = 5.0, top: int = 12) -> list[str]:
         busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], busy_end))
         busy_end = max(busy_end, e["ts"] + e["dur"])
     span = busy_end - gpu[0]["ts"]
+    attribute = _attributor(cpu, starts, ends, launch_ts, regions)
     by_cause, rows = collections.Counter(), []
     for a, b, kernel in gaps:
+        causes = attribute(a, b, kernel)
+        by_cause.update(causes)
+        rows.append((b - a, causes.most_common(1)[0][0] if causes else "?", kernel["name"]))
+    # before the first kernel the GPU is idle too: the step's launch latency (Python, guards, wrappers)
+    lead_a, lead_b = float(starts.min()), gpu[0]["ts"]
+    lead = attribute(lead_a, lead_b, gpu[0]) if lead_b > lead_a else collections.Counter()
+    idle = sum(b - a for a, b, _ in gaps)
+    out = [f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle in {len(gaps)} gaps of >{min_gap_us:.0f} us: "
+           f"{idle / 1e3:.2f} ms"]
+    out.append(f"before the first kernel (from the step's first CPU event): {max(0.0, lead_b - lead_a) / 1e3:.2f} ms: "
+               + ", ".join(f"{name[:60]} {us / 1e3:.2f}" for name, us in lead.most_common(4)))
+    out += ["idle by what the CPU was doing:"] + [f"  {us / 1e3:6.2f} ms  {name[:120]}" for name, us in by_cause.most_common(top)]
+    out += ["largest gaps:"] + [f"  {us:7.0f} us  {cause[:70]}  -> {name[:60]}" for us, cause, name in sorted(rows, reverse=True)[:top]]
+    return out
+
+
+def _attributor(cpu, starts, ends, launch_ts, regions):
+    """A function (a, b, next_kernel) -> Counter of idle microseconds by the innermost CPU event
+    running at each moment of [a, b) (or by "queued" when the next kernel was launched before a)."""
+    def attribute(a, b, kernel):
         launched = launch_ts.get(kernel.get("args", {}).get("correlation"))
         if launched is not None and launched < a:  # queued before the GPU went idle: a dependency wait
-            by_cause["(queued: waiting on a stream or event)"] += b - a
-            continue
+            return collections.Counter({"(queued: waiting on a stream or event)": b - a})
         inside = np.nonzero((starts < b) & (ends > a))[0]
         causes = collections.Counter()
         for t in np.arange(a, b, 1.0):  # 1 us samples: the innermost CPU event at each
@@ -54,14 +74,8 @@ def idle_gaps(trace: dict, min_gap_us: float = 5.0, top: int = 12) -> list[str]:
                 continue
             i = min(live, key=lambda i: ends[i] - starts[i])
             causes[_label(cpu[i], regions, t)] += 1.0
-        by_cause.update(causes)
-        rows.append((b - a, causes.most_common(1)[0][0] if causes else "?", kernel["name"]))
-    idle = sum(b - a for a, b, _ in gaps)
-    out = [f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle in {len(gaps)} gaps of >{min_gap_us:.0f} us: "
-           f"{idle / 1e3:.2f} ms"]
-    out += ["idle by what the CPU was doing:"] + [f"  {us / 1e3:6.2f} ms  {name[:120]}" for name, us in by_cause.most_common(top)]
-    out += ["largest gaps:"] + [f"  {us:7.0f} us  {cause[:70]}  -> {name[:60]}" for us, cause, name in sorted(rows, reverse=True)[:top]]
-    return out
+        return causes
+    return attribute
 
 
 # kernel name patterns, first match wins: what kind of work a GPU kernel is

@@ -1,7 +1,10 @@
 """Causal attention forward + backward on the GPU, per SDPA backend, at the training benchmark's shape
 (batch 4, 32 heads, seq 2048, head dim 64, bf16): which kernel should run the model's attention.
+With fewer key/value heads (grouped-query attention, the model's 8), also each backend given the
+grouped k/v directly (`enable_gqa=True`) against repeating them to every head first, as the model
+does (the repeat and, in the backward, its sum included).
 
-    python benchmarks/sdpa_gpu.py [--batch 4 --heads 32 --seq 2048 --head-dim 64]
+    python benchmarks/sdpa_gpu.py [--batch 4 --heads 32 --kv-heads 8 --seq 2048 --head-dim 64]
 """
 import argparse
 
@@ -18,6 +21,7 @@ def main():
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--kv-heads", type=int, default=8)
     a = p.parse_args()
     shape = (a.batch, a.heads, a.seq, a.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -41,6 +45,40 @@ def main():
         err = max((x.float() - y.float()).abs().max().item() for x, y in zip((out, *grads), (ref[0], *ref[1])))
         print(f"  {backend.name:20} fwd {fwd:6.3f} ms ({fwd_flops / fwd / 1e9:5.0f} TFLOP/s)   "
               f"fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} TFLOP/s)   max |Δ| vs flash {err:.2e}")
+    if a.kv_heads < a.heads:
+        grouped_query_attention(a, fwd_flops)
+
+
+def grouped_query_attention(a, fwd_flops):
+    repeat = a.heads // a.kv_heads
+    q = torch.randn(a.batch, a.heads, a.seq, a.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(a.batch, a.kv_heads, a.seq, a.head_dim, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    dy = torch.randn_like(q)
+
+    def repeated():
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, dim=1),
+                                              v.repeat_interleave(repeat, dim=1), is_causal=True)
+
+    def grouped():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    print(f"grouped-query: {a.kv_heads} k/v heads for {a.heads} query heads")
+    ref = None
+    for backend in [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]:
+        for name, fn in [("k/v repeated", repeated), ("enable_gqa", grouped)]:
+            try:
+                with sdpa_kernel(backend):
+                    out = fn()
+                    grads = torch.autograd.grad(out, (q, k, v), dy)
+                    both = time_ms(lambda: torch.autograd.grad(fn(), (q, k, v), dy))
+            except RuntimeError as e:
+                print(f"  {backend.name:20} {name:13} unavailable: {str(e).splitlines()[0][:100]}")
+                continue
+            ref = ref or (out, grads)
+            err = max((x.float() - y.float()).abs().max().item() for x, y in zip((out, *grads), (ref[0], *ref[1])))
+            print(f"  {backend.name:20} {name:13} fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} "
+                  f"TFLOP/s)   max |Δ| vs the first {err:.2e}")
 
 
 if __name__ == "__main__":

@@ -140,18 +140,24 @@ class TEExecutor(Executor):
     name = "te"
     kind = "operator"
 
-    def __init__(self, fp8: bool = False, recipe=None, group_linears: bool = True):
+    def __init__(self, fp8: bool = False, recipe=None, group_linears: bool | None = None):
         self.use_fp8 = fp8
         self.recipe = recipe
-        self.group_linears = group_linears
+        self.grouping = group_linears  # None: the default, which depends on fp8 (see options)
         self.scaling: DelayedScalingState | None = None  # per jitted model, see for_model
 
-    def options(self, *, group_linears: bool = True) -> "TEExecutor":
-        """This executor with options. `group_linears` (on by default): linears reading the same
-        input (q/k/v, gate/up) become one TE GEMM on their stacked weights
-        (`transforms.group_linears`), so the input is cast to fp8 once per group and the GEMMs are
-        larger; grouped linears share one fp8 scaling state, saved under the first member's module.
-        `group_linears=False`: one TE GEMM per linear."""
+    @property
+    def group_linears(self) -> bool:
+        return self.use_fp8 if self.grouping is None else self.grouping
+
+    def options(self, *, group_linears: bool | None = None) -> "TEExecutor":
+        """This executor with options. `group_linears=True`: linears reading the same input (q/k/v,
+        gate/up) become one TE GEMM on their stacked weights (`transforms.group_linears`), so the
+        input is cast to fp8 once per group and the GEMMs are larger; grouped linears share one fp8
+        scaling state, saved under the first member's module. `False`: one TE GEMM per linear.
+        `None` (the default): grouped in fp8, where the shared cast pays; not in bf16, where stacking
+        the weights (a copy each step, forward and backward) costs more than the larger GEMMs gain
+        (H200, 0.85B Llama: 95.8k tokens/s grouped vs 97.5k ungrouped)."""
         return TEExecutor(fp8=self.use_fp8, recipe=self.recipe, group_linears=group_linears)
 
     def fp8(self, recipe=None) -> "TEExecutor":
@@ -165,7 +171,7 @@ class TEExecutor(Executor):
         if recipe is not None:
             recipe_formats(recipe)  # rejects formats the ops do not implement
         return TEExecutor(fp8=True, recipe=recipe if kind == "DelayedScaling" else None,
-                          group_linears=self.group_linears)
+                          group_linears=self.grouping)
 
     def cache_token(self) -> str:
         return f"te fp8={self.use_fp8} recipe={self.recipe!r} group_linears={self.group_linears}"
@@ -174,7 +180,7 @@ class TEExecutor(Executor):
         """Delayed scaling keeps state per jitted model: each model gets its own copy."""
         if self.recipe is None:
             return self
-        copy = TEExecutor(fp8=True, recipe=self.recipe, group_linears=self.group_linears)
+        copy = TEExecutor(fp8=True, recipe=self.recipe, group_linears=self.grouping)
         copy.scaling = DelayedScalingState(self.recipe)
         return copy
 
