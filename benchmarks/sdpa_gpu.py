@@ -7,6 +7,7 @@ does (the repeat and, in the backward, its sum included).
     python benchmarks/sdpa_gpu.py [--batch 4 --heads 32 --kv-heads 8 --seq 2048 --head-dim 64]
 """
 import argparse
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,7 @@ def main():
               f"fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} TFLOP/s)   max |Δ| vs flash {err:.2e}")
     if a.kv_heads < a.heads:
         grouped_query_attention(a, fwd_flops)
+    transformer_engine_attention(a, fwd_flops)
 
 
 def grouped_query_attention(a, fwd_flops):
@@ -68,7 +70,8 @@ def grouped_query_attention(a, fwd_flops):
     for backend in [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]:
         for name, fn in [("k/v repeated", repeated), ("enable_gqa", grouped)]:
             try:
-                with sdpa_kernel(backend):
+                with sdpa_kernel(backend), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a backend's reasons for declining, one per call
                     out = fn()
                     grads = torch.autograd.grad(out, (q, k, v), dy)
                     both = time_ms(lambda: torch.autograd.grad(fn(), (q, k, v), dy))
@@ -79,6 +82,25 @@ def grouped_query_attention(a, fwd_flops):
             err = max((x.float() - y.float()).abs().max().item() for x, y in zip((out, *grads), (ref[0], *ref[1])))
             print(f"  {backend.name:20} {name:13} fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} "
                   f"TFLOP/s)   max |Δ| vs the first {err:.2e}")
+
+
+def transformer_engine_attention(a, fwd_flops):
+    """TE's DotProductAttention (its cuDNN fused attention), grouped k/v given directly, [b, s, h, d]."""
+    try:
+        import transformer_engine.pytorch as te
+    except ImportError as e:
+        print(f"  transformer_engine    unavailable: {e}")
+        return
+    q = torch.randn(a.batch, a.seq, a.heads, a.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(a.batch, a.seq, a.kv_heads, a.head_dim, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    attn = te.DotProductAttention(a.heads, a.head_dim, num_gqa_groups=a.kv_heads, qkv_format="bshd",
+                                  attn_mask_type="causal")
+    dy = torch.randn(a.batch, a.seq, a.heads * a.head_dim, device="cuda", dtype=torch.bfloat16)
+    fwd = time_ms(lambda: attn(q, k, v))
+    both = time_ms(lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dy))
+    print(f"  transformer_engine    grouped k/v   fwd {fwd:6.3f} ms ({fwd_flops / fwd / 1e9:5.0f} TFLOP/s)   "
+          f"fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} TFLOP/s)")
 
 
 if __name__ == "__main__":
