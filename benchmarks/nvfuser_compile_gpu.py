@@ -26,7 +26,7 @@ def region(chain: int, ending: str):
             y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
         else:
             y = y - y.amax(-1, keepdim=True)
-        return (y * w).to(torch.bfloat16)
+        return ((y * w).to(torch.bfloat16),)
     return f
 
 

@@ -23,6 +23,7 @@ from torch._guards import CompileContext, TracingContext
 from executors import dispatch
 from ir import OutputSpec, Step, Trace
 from transforms import TracePass
+from transforms.grouped_kv_attention import grouped_kv_attention_in
 
 from . import cuda_graphs
 from .cache import GraphCache
@@ -86,6 +87,9 @@ class PipelineBackend:
             record.fallbacks += notes
             if prepared is not trace:
                 trace = record.add_trace(prepared)
+        grouped = grouped_kv_attention_in(trace)  # always a win where it applies (CUDA, half types)
+        if grouped is not trace:
+            trace = record.add_trace(grouped)
         trace = self._run_passes("before_autodiff", trace, record)
         stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache)
         start = time.perf_counter()

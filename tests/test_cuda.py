@@ -49,6 +49,20 @@ def test_torch_executor_on_cuda_is_bit_identical():
         assert torch.equal(cm(tokens), eager(tokens))
 
 
+def test_attention_reads_grouped_kv_by_default_in_bf16():
+    """The compiler's default rewrite (transforms/grouped_kv_attention.py): SDPA on the grouped k/v
+    with enable_gqa, the k/v repeats gone, the same loss and gradients as eager, which repeats."""
+    model, eager = llama_pair(torch.bfloat16)
+    tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
+    cm = pipeline.jit(model, executors=["torch"])
+    torch.testing.assert_close(step(cm, tokens), step(eager, tokens), rtol=2e-2, atol=2e-2)
+    assert_grads_close(model, eager, 5e-2, 2e-2)
+    rewritten = [t for t in pipeline.last_traces(cm) if t.provenance[-1].name == "grouped_kv_attention"]
+    assert len(rewritten) == 1
+    code = rewritten[0].module.code
+    assert code.count("enable_gqa = True") == CONFIG.layers and "repeat_interleave" not in code
+
+
 def test_profile_reports_device_time_per_region():
     model, _ = llama_pair(torch.bfloat16)
     cm = pipeline.jit(model, executors=["inductor"])

@@ -59,19 +59,25 @@ def test_te_linear_ops_autograd_structure_on_fake_tensors(fp8, scaling, bias):
 
 def test_te_delayed_scaling_names_each_linears_state_after_its_weight(monkeypatch):
     """The swap before autodiff registers every linear under its weight's qualified name, which
-    becomes the `<module>._extra_state.weight_fp8_*` keys of the state dict. TE itself needs a GPU, so
-    the call fails once the compiled code runs; the names are in place before that."""
+    becomes the `<module>._extra_state.weight_fp8_*` keys of the state dict. The TE ops are made to
+    fail when the compiled code runs (TE needs CUDA tensors); the names are in place before that."""
     import torch
 
     import pipeline
+    from executors import te_executor
     from executors.te_executor import TEExecutor
     from models import Llama, LlamaConfig
 
     class DelayedScaling:
         margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo = 0, 8, "max", None
 
+    def not_run(*args):  # real TE handed these CPU tensors would read them as device memory
+        raise RuntimeError("TE's GEMM is not run in this test")
+
     monkeypatch.setattr(TEExecutor, "unavailable_reason", lambda self: None)
     monkeypatch.setattr(TEExecutor, "_reject", lambda self, node: None)
+    for op in (torch.ops.pipeline_te.linear.default, torch.ops.pipeline_te.linear_backward.default):
+        monkeypatch.setitem(te_executor._IMPLEMENTATIONS, op, not_run)
     model = Llama(LlamaConfig(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, hidden=64, max_seq=16))
     linears = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     # one state per linear; grouped (the default), one per group, named after its first member

@@ -5,10 +5,12 @@ from .checkpoint import checkpoint
 from .cpu_offload import cpu_offload
 from .fsdp import FSDP, fsdp
 from .group_linears import group_linears
+from .grouped_kv_attention import grouped_kv_attention
 from .materialize import Materialize, materialize
 from .mixed_precision import mixed_precision
 from .model_transform import ModelTransform
 from .quantize import quantize
 
 __all__ = ["TracePass", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload", "group_linears",
+           "grouped_kv_attention",
            "ModelTransform", "chain", "Chain", "quantize", "materialize", "Materialize", "fsdp", "FSDP"]

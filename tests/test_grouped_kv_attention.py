@@ -1,0 +1,78 @@
+"""grouped_kv_attention: SDPA on k/v repeated per query head reads the grouped k/v instead."""
+import copy
+
+import pytest
+import torch
+
+import pipeline
+from models import Llama, LlamaConfig
+from transforms import grouped_kv_attention
+from transforms.grouped_kv_attention import grouped_kv_attention_in
+
+CONFIG = LlamaConfig(vocab=64, dim=64, layers=2, heads=8, kv_heads=2, hidden=96, max_seq=16)
+
+
+def _captured(cm):
+    return [t for t in pipeline.last_traces(cm) if t.level == "torch"]
+
+
+def _sdpa_and_repeats(trace):
+    nodes = list(trace.module.graph.nodes)
+    sdpa = [n for n in nodes if "scaled_dot_product_attention" in str(n.target)]
+    repeats = [n for n in nodes if "repeat_interleave" in str(n.target)]
+    return sdpa, repeats
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_attention_on_grouped_kv_trains_like_eager(dtype, tol):
+    """On the CPU (the pass is told to apply there), in half precision: the same loss and gradients
+    as eager repeating k/v, and no repeat left in the trace."""
+    torch.manual_seed(0)
+    model = Llama(CONFIG).to(dtype)
+    eager = copy.deepcopy(model)
+    tokens = torch.randint(0, CONFIG.vocab, (2, 16))
+    cm = pipeline.jit(model, executors=["torch"], transforms=[grouped_kv_attention(devices=("cpu",))])
+    loss, expected = cm(tokens).float().square().mean(), eager(tokens).float().square().mean()
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=tol, rtol=tol)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=tol, rtol=tol, msg=name)
+    rewritten = next(t for t in _captured(cm) if t.provenance[-1].name == "grouped_kv_attention")
+    sdpa, repeats = _sdpa_and_repeats(rewritten)
+    assert len(sdpa) == CONFIG.layers and not repeats
+    assert all(n.kwargs.get("enable_gqa") is True for n in sdpa)
+
+
+def test_left_alone_where_it_cannot_win():
+    """fp32 (no fused kernel takes grouped k/v: SDPA would fall back to its math path), a device
+    not listed (CUDA by default, so every CPU run here), and repeats that are not per head."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, CONFIG.vocab, (2, 16))
+    for model, devices in [(Llama(CONFIG), ("cpu",)), (Llama(CONFIG).bfloat16(), ("cuda",))]:
+        cm = pipeline.jit(model, executors=["torch"], transforms=[grouped_kv_attention(devices=devices)])
+        cm(tokens)
+        sdpa, repeats = _sdpa_and_repeats(_captured(cm)[-1])  # the pass ran and changed nothing
+        assert len(repeats) == 2 * CONFIG.layers and not any(n.kwargs.get("enable_gqa") for n in sdpa)
+
+    def repeated_sequence(q, k, v):  # repeats along the sequence, not the heads: not grouped k/v
+        return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=2),
+                                                                v.repeat_interleave(2, dim=2))
+
+    q, k, v = (torch.randn(1, 4, 8, 16, dtype=torch.bfloat16) for _ in range(3))
+    k, v = k[:, :, :4], v[:, :, :4]
+    cm = pipeline.jit(repeated_sequence, executors=["torch"], transforms=[grouped_kv_attention(devices=("cpu",))])
+    torch.testing.assert_close(cm(q, k, v), repeated_sequence(q, k, v))
+    sdpa, repeats = _sdpa_and_repeats(_captured(cm)[-1])
+    assert len(repeats) == 2 and not sdpa[0].kwargs.get("enable_gqa")
+
+
+def test_the_compiler_applies_it_by_default_on_cuda_half_types_only():
+    """No transform listed: the compiler's default call (CUDA devices) leaves a CPU model alone."""
+    torch.manual_seed(0)
+    cm = pipeline.jit(Llama(CONFIG).bfloat16(), executors=["torch"])
+    cm(torch.randint(0, CONFIG.vocab, (2, 16)))
+    assert not any(t.provenance[-1].name == "grouped_kv_attention" for t in _captured(cm))
+    trace = _captured(cm)[0]
+    assert grouped_kv_attention_in(trace) is trace
+    assert grouped_kv_attention_in(trace, devices=("cpu",)) is not trace
