@@ -172,7 +172,11 @@ class DelayedScalingState:
                 stack.cold, stack.recorded = False, False
             try:
                 import transformer_engine_torch as tex
-            except ImportError:  # no TE here (CPU tests): the same arithmetic in torch ops
+            except ImportError:
+                tex = None
+            if tex is None or not stack.chunks[0][0].is_cuda:
+                # no TE, or a state off the GPU (CPU tests; TE's kernel would read host memory as
+                # device memory): the same arithmetic in torch ops
                 for history, scale in stack.chunks:
                     _update_reference(history, scale, self.recipe, _FP8_MAX[stack.fmt])
                 continue

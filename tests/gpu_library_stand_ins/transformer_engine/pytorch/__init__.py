@@ -1,0 +1,3 @@
+from _raising import raising_getattr
+
+__getattr__ = raising_getattr("transformer_engine.pytorch")
