@@ -44,6 +44,31 @@ def test_attention_on_grouped_kv_trains_like_eager(dtype, tol):
     assert all(n.kwargs.get("enable_gqa") is True for n in sdpa)
 
 
+def repeat_kv(x, n):  # Hugging Face's way of repeating k/v heads
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+@pytest.mark.parametrize("repeat", [repeat_kv, lambda x, n: x.repeat_interleave(n, dim=1)],
+                         ids=["expand_reshape", "repeat_interleave"])
+def test_both_ways_of_repeating_heads_become_grouped_kv(repeat):
+    def attention(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, repeat(k, 4), repeat(v, 4), is_causal=True)
+
+    q = torch.randn(2, 8, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    cm = pipeline.jit(attention, executors=["torch"], transforms=[grouped_kv_attention(devices=("cpu",))])
+    out = cm(q, k, v)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    expected = attention(q, k, v)
+    expected_grads = torch.autograd.grad(expected.float().square().sum(), (q, k, v))
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, atol=5e-2, rtol=2e-2)
+    code = _captured(cm)[-1].module.code
+    assert "enable_gqa = True" in code and "expand" not in code and "repeat_interleave" not in code, code
+
+
 def test_left_alone_where_it_cannot_win():
     """fp32 (no fused kernel takes grouped k/v: SDPA would fall back to its math path), a device
     not listed (CUDA by default, so every CPU run here), and repeats that are not per head."""
