@@ -87,10 +87,8 @@ class PipelineBackend:
             record.fallbacks += notes
             if prepared is not trace:
                 trace = record.add_trace(prepared)
-        grouped = grouped_kv_attention_in(trace)  # always a win where it applies (CUDA, half types)
-        if grouped is not trace:
-            trace = record.add_trace(grouped)
         trace = self._run_passes("before_autodiff", trace, record)
+        trace = self._grouped_kv_attention(trace, record)
         stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache)
         start = time.perf_counter()
         inner_before = sum(record.seconds.values())
@@ -108,6 +106,19 @@ class PipelineBackend:
         if cache is not None:
             cache.wrappers_done(wrapper_metadata(wrappers))
         return post_compile_all(wrappers, compiled)
+
+    @staticmethod
+    def _grouped_kv_attention(trace: Trace, record: GraphRecord) -> Trace:
+        """The default rewrite of attention on repeated k/v (after the user's before-autodiff passes,
+        so it sees `mixed_precision`'s autocast); an optimization nobody asked for never fails a
+        graph: if it raises, the graph compiles without it and the reason is recorded."""
+        try:
+            grouped = grouped_kv_attention_in(trace)
+        except Exception as e:
+            record.fallbacks.append(("scaled_dot_product_attention",
+                                     f"k/v left repeated: grouped_kv_attention raised {type(e).__name__}: {e}"))
+            return trace
+        return trace if grouped is trace else record.add_trace(grouped)
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
         """AOTAutograd's partition hook: joint passes run here, then the min-cut partitioner (which

@@ -101,3 +101,46 @@ def test_the_compiler_applies_it_by_default_on_cuda_half_types_only():
     trace = _captured(cm)[0]
     assert grouped_kv_attention_in(trace) is trace
     assert grouped_kv_attention_in(trace, devices=("cpu",)) is not trace
+
+
+def _run(fn, *transforms, dtype=torch.bfloat16, autocast=False):
+    """`fn` jitted with `transforms` and the pass (on the CPU), checked against eager (under
+    autocast to bf16 when asked); the code of its last torch-level trace."""
+    q = torch.randn(2, 8, 16, 32, dtype=dtype)
+    k, v = torch.randn(2, 2, 16, 32, dtype=dtype), torch.randn(2, 2, 16, 32, dtype=dtype)
+    cm = pipeline.jit(fn, executors=["torch"], transforms=list(transforms) + [grouped_kv_attention(devices=("cpu",))])
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        expected = fn(q, k.clone(), v)
+    torch.testing.assert_close(cm(q, k.clone(), v), expected, atol=2e-2, rtol=2e-2)
+    assert not pipeline.compile_stats(cm).eager_fallbacks
+    return _captured(cm)[-1].module.code
+
+
+def test_keyword_arguments_are_read_like_positional_ones():
+    def attention(q, k, v):
+        k = torch.reshape(input=torch.unsqueeze(input=k, dim=2).expand(2, 2, 4, 16, 32), shape=(2, 8, 16, 32))
+        v = torch.repeat_interleave(v, repeats=4, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(query=q, key=k, value=v)
+    assert "enable_gqa = True" in _run(attention)
+
+
+@pytest.mark.parametrize("write", ["the copy", "the source"])
+def test_left_alone_when_k_is_written_in_place_before_the_attention(write):
+    """The repeat is a copy: a write into it (or into k after it) before the attention reads it
+    would make the grouped k differ from what the attention read."""
+    def attention(q, k, v):
+        kr, vr = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+        (kr if write == "the copy" else k).mul_(3.0)
+        return torch.nn.functional.scaled_dot_product_attention(q, kr, vr)
+    assert "enable_gqa" not in _run(attention)
+
+
+def test_applies_under_mixed_precision():
+    """fp32 q/k/v under `mixed_precision`'s autocast: the attention runs in bf16, so grouped k/v pay."""
+    from transforms import mixed_precision
+
+    def attention(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, dim=1),
+                                                                v.repeat_interleave(4, dim=1))
+    assert "enable_gqa = True" in _run(attention, mixed_precision("bf16"), dtype=torch.float32, autocast=True)
+    assert "enable_gqa" not in _run(attention, dtype=torch.float32)  # fp32 without autocast: left alone

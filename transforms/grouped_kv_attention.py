@@ -10,10 +10,13 @@ SDPA's `enable_gqa=True` gives each query head its group's k/v inside the kernel
 causal, forward + backward with the repeat: cuDNN 0.861 -> 0.764 ms per layer, flash 1.305 ->
 1.232 ms (`benchmarks/sdpa_gpu.py`).
 
-Applied only where it can only win: half-precision q/k/v on the devices given (CUDA by default).
-In fp32 no fused CUDA kernel takes grouped k/v (memory-efficient attention does not), and SDPA would
-fall back to its math path, materializing the attention matrix. The compiler runs it on every
-captured graph (`pipeline/compiler.py`); it is a pass too, so a trace shows it as a step.
+Applied only where it can only win: attention in half precision (bf16/fp16 q/k/v, or under autocast,
+as `mixed_precision` sets) on the devices given (CUDA by default). In fp32 no fused CUDA kernel of
+torch 2.11 takes grouped k/v (memory-efficient attention declined them on the H200), and SDPA would
+fall back to its math path, materializing the attention matrix. Not where the repeated copies or k/v
+are written in place before the attention reads them. The compiler runs it on every
+captured graph after the before-autodiff passes (`pipeline/compiler.py`); it is a pass too, and the
+traces show it as a step.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from .base import TracePass
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 HALF = (torch.bfloat16, torch.float16)
+SIZE_MATH = (operator.mul, operator.floordiv, operator.add, operator.sub)
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
@@ -43,7 +47,8 @@ def grouped_kv_attention_in(trace: Trace, devices: Sequence[str] = ("cuda",)) ->
     """`trace` with every SDPA on k/v repeated per query head reading the grouped k/v instead;
     `trace` itself if there is none."""
     gm = trace.editable()
-    rewritten = [node for node in gm.graph.nodes if _rewrite(node, devices)]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    rewritten = [node for node in list(gm.graph.nodes) if _rewrite(node, devices, order)]
     if not rewritten:
         return trace
     for node in list(reversed(gm.graph.nodes)):  # the repeats nothing reads any more
@@ -52,12 +57,15 @@ def grouped_kv_attention_in(trace: Trace, devices: Sequence[str] = ("cuda",)) ->
             if step.users:
                 break
             gm.graph.erase_node(step)
+    for node in list(reversed(gm.graph.nodes)):  # and the size arithmetic only they used
+        if not node.users and node.op == "call_function" and node.target in SIZE_MATH:
+            gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
     return trace.derive(gm, by="grouped_kv_attention")
 
 
-def _rewrite(node: fx.Node, devices) -> bool:
+def _rewrite(node: fx.Node, devices, order) -> bool:
     if node.op != "call_function" or node.target not in SDPA or node.kwargs.get("enable_gqa"):
         return False
     args = {**dict(zip(SDPA_ARGS, node.args)), **node.kwargs}
@@ -65,11 +73,18 @@ def _rewrite(node: fx.Node, devices) -> bool:
     rk, rv = _repeat_of(k), _repeat_of(v)
     if rk is None or rv is None or rk[1] != rv[1]:
         return False
-    qv, kv, vv = (node_value(n) for n in (q, rk[0], rv[0]))
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.dtype in HALF and t.device.type in devices
-               for t in (qv, kv, vv)):
+    # half precision where the attention runs: its inputs' dtype, or its output's under autocast
+    # (`mixed_precision`: q/k/v may still be fp32 there, autocast casts them for SDPA)
+    out, qv, kv, vv = (node_value(n) for n in (node, q, rk[0], rv[0]))
+    if not (isinstance(out, torch.Tensor) and out.dtype in HALF and all(
+            isinstance(t, torch.Tensor) and t.dim() == 4 and t.device.type in devices for t in (qv, kv, vv))):
         return False
     if not _same((kv.shape[1] * rk[1], vv.shape[1]), (qv.shape[1], kv.shape[1])):
+        return False
+    # the repeats are copies: a write into them, or into k/v, before the attention reads them would
+    # make the grouped k/v differ from what the attention read
+    first = min(order[n] for n in rk[2] + rv[2])
+    if any(_writes(n) for n in order if first <= order[n] < order[node]):
         return False
     args.update(key=rk[0], value=rv[0])
     positional = [args.pop(name) for name in SDPA_ARGS[:len(node.args)]]
@@ -86,11 +101,9 @@ def _repeat_of(node) -> Optional[tuple[fx.Node, int, list[fx.Node]]]:
 
 
 def _repeat_interleave(node):
-    if not _is(node, "repeat_interleave", (torch.repeat_interleave, torch.Tensor.repeat_interleave)) \
-            or len(node.args) < 2:
+    if not _is(node, "repeat_interleave", (torch.repeat_interleave, torch.Tensor.repeat_interleave)):
         return None
-    source, repeats = node.args[0], node.args[1]
-    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    source, repeats, dim = (_arg(node, i, name) for i, name in enumerate(("input", "repeats", "dim")))
     value = node_value(source) if isinstance(source, fx.Node) else None
     if not (isinstance(repeats, int) and isinstance(value, torch.Tensor) and value.dim() == 4
             and dim in (1, -3) and "output_size" not in node.kwargs):
@@ -101,14 +114,14 @@ def _repeat_interleave(node):
 def _expand_reshape(node):
     if not _is(node, ("reshape", "view"), (torch.reshape, torch.Tensor.reshape, torch.Tensor.view)):
         return None
-    expand = node.args[0]
+    expand = _arg(node, 0, "input")
     if not _is(expand, "expand", (torch.Tensor.expand,)):
         return None
-    unsqueezed = expand.args[0]
+    unsqueezed = _arg(expand, 0, "input")
     if not (_is(unsqueezed, "unsqueeze", (torch.unsqueeze, torch.Tensor.unsqueeze))
-            or _is(unsqueezed, "__getitem__", (operator.getitem,)) and _only_new_axes(unsqueezed.args[1])):
+            or _is(unsqueezed, "__getitem__", (operator.getitem,)) and _only_new_axes(_arg(unsqueezed, 1, "index"))):
         return None
-    source = unsqueezed.args[0]
+    source = _arg(unsqueezed, 0, "input")
     values = [node_value(n) if isinstance(n, fx.Node) else None for n in (source, unsqueezed, expand, node)]
     if not all(isinstance(v, torch.Tensor) for v in values):
         return None
@@ -120,6 +133,25 @@ def _expand_reshape(node):
     if u != (b, h, 1, s, d) or e != (b, h, n, s, d) or not _same(r, (b, h * n, s, d)):
         return None
     return source, n, [node, expand, unsqueezed]
+
+
+def _arg(node: fx.Node, i: int, name: str):
+    """Argument `i` of a call, given by position or by name (`self` for a tensor method's first)."""
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, node.kwargs.get("self") if i == 0 else None)
+
+
+def _writes(node: fx.Node) -> bool:
+    """Whether `node` may write into a tensor: an in-place method or function (`mul_`, `copy_`),
+    item assignment, `out=`/`inplace=True`, or an op whose schema mutates an argument."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    schema = getattr(node.target, "_schema", None)
+    return (name.endswith("_") and not name.endswith("__") or node.target is operator.setitem
+            or "out" in node.kwargs or node.kwargs.get("inplace") is True
+            or schema is not None and schema.is_mutable)
 
 
 def _is(node, methods, functions) -> bool:
