@@ -22,7 +22,7 @@ demo: $(READY)
 # the TE and nvFuser test files again with stand-ins for those libraries (as the GPU machine imports
 # them): a CPU test that reaches a real GPU library fails here (tests/gpu_library_stand_ins/)
 GPU_LIBRARY_TESTS := tests/test_executor_options.py tests/test_te_regions.py tests/test_group_linears.py \
-	tests/test_fusion_islands.py tests/test_partition_memory.py tests/test_grouped_kv_attention.py
+	tests/test_fusion_islands.py tests/test_partition_memory.py
 
 test: $(READY)
 	$(BIN)/python -m pytest -q

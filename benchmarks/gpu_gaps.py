@@ -46,7 +46,8 @@ def idle_gaps(trace: dict, min_gap_us: float = 5.0, top: int = 12) -> list[str]:
         by_cause.update(causes)
         rows.append((b - a, causes.most_common(1)[0][0] if causes else "?", kernel["name"]))
     # before the first kernel the GPU is idle too: the step's launch latency (Python, guards, wrappers)
-    lead_a, lead_b = float(starts.min()), gpu[0]["ts"]
+    lead_b = gpu[0]["ts"]
+    lead_a = float(starts.min()) if len(starts) else lead_b  # a trace without CPU events: unknown
     lead = attribute(lead_a, lead_b, gpu[0]) if lead_b > lead_a else collections.Counter()
     idle = sum(b - a for a, b, _ in gaps)
     out = [f"GPU span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle in {len(gaps)} gaps of >{min_gap_us:.0f} us: "

@@ -85,10 +85,13 @@ def grouped_query_attention(a, fwd_flops):
 
 
 def transformer_engine_attention(a, fwd_flops):
-    """TE's DotProductAttention (its cuDNN fused attention), grouped k/v given directly, [b, s, h, d]."""
+    """TE's DotProductAttention (its cuDNN fused attention: flash-attn is turned off), grouped k/v given
+    directly, [b, s, h, d]."""
+    import os
+    os.environ.setdefault("NVTE_FLASH_ATTN", "0")  # TE's cuDNN fused attention, not flash-attn if installed
     try:
         import transformer_engine.pytorch as te
-    except ImportError as e:
+    except Exception as e:  # absent, or failing to load (a missing library, another torch)
         print(f"  transformer_engine    unavailable: {e}")
         return
     q = torch.randn(a.batch, a.seq, a.heads, a.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

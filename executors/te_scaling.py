@@ -174,7 +174,7 @@ class DelayedScalingState:
                 import transformer_engine_torch as tex
             except ImportError:
                 tex = None
-            if tex is None or not stack.chunks[0][0].is_cuda:
+            if tex is None or not all(h.is_cuda for h, _ in stack.chunks):
                 # no TE, or a state off the GPU (CPU tests; TE's kernel would read host memory as
                 # device memory): the same arithmetic in torch ops
                 for history, scale in stack.chunks:

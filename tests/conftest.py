@@ -9,20 +9,33 @@ import torch._dynamo
 
 
 STAND_INS = os.path.join(os.path.dirname(__file__), "gpu_library_stand_ins")
+STAND_IN_FOR = {"te": "transformer_engine", "nvfuser": "nvfuser_direct"}  # folder -> the library it stands in for
+_stand_ins_used: list[str] = []
 
 
 def pytest_addoption(parser):
     parser.addoption("--gpu-library-stand-ins", action="store_true",
-                     help="import Transformer Engine and nvFuser stand-ins that raise when called (where the "
-                          "real ones are absent): CPU tests then run as on the GPU machine "
+                     help="import Transformer Engine and nvFuser stand-ins that raise when called (each where the "
+                          "real one is absent): CPU tests then run as on the GPU machine "
                           "(tests/gpu_library_stand_ins/README.md)")
 
 
 def pytest_configure(config):
     import importlib.util
-    if config.getoption("--gpu-library-stand-ins") and not any(
-            importlib.util.find_spec(m) for m in ("transformer_engine", "nvfuser_direct")):
-        sys.path.insert(0, STAND_INS)
+    if not config.getoption("--gpu-library-stand-ins"):
+        return
+    for folder, module in STAND_IN_FOR.items():
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin in (None, "namespace"):  # absent, or an empty namespace folder
+            sys.path.insert(0, os.path.join(STAND_INS, folder))
+            _stand_ins_used.append(module)
+    if _stand_ins_used:
+        sys.path.insert(0, os.path.join(STAND_INS, "common"))
+
+
+def pytest_report_header(config):
+    if config.getoption("--gpu-library-stand-ins"):
+        return f"gpu library stand-ins (raise when called): {', '.join(_stand_ins_used) or 'none: the real ones are installed'}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,6 +16,8 @@ def test_te_groups_linears_by_default_in_fp8_only():
     assert not te.group_linears and te.fp8().group_linears
     assert te.options(group_linears=True).group_linears
     assert not te.options(group_linears=False).fp8().group_linears
+    assert not te.options(group_linears=False).fp8().options().group_linears  # options() keeps what it is not given
+    assert te.fp8().options(group_linears=False).options(group_linears=None).group_linears  # None: the default
     assert te.options(group_linears=True).cache_token() != te.cache_token()
 
 
