@@ -132,7 +132,7 @@ def main():
     print(f"Llama-style {full / 1e6:.1f}M params, global batch {args.batch} x seq {args.seq}, AdamW, "
           f"{'CUDA nccl' if args.device == 'cuda' else 'CPU gloo'}, {args.threads} threads split over the ranks, executor {args.executor}, torch {torch.__version__}")
     print("| row | params MiB | grads MiB | AdamW state MiB | gathered at once MiB | per-rank total MiB "
-          f"| first step s | step ms |")
+          "| first step s | step ms |")
     print("|---|---|---|---|---|---|---|---|")
     for name, world, use_fsdp in rows:
         r = results[(world, use_fsdp)]
