@@ -15,6 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cuda_timing import cuda_ms as time_ms
 
+BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -29,26 +31,43 @@ def main():
     dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     # causal: half of the 4·b·h·s²·d forward FLOPs; backward 2.5× the forward
     fwd_flops = 4 * a.batch * a.heads * a.seq ** 2 * a.head_dim / 2
-    ref = None
     print(f"SDPA causal {shape} bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for backend in [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]:
-        try:
-            with sdpa_kernel(backend):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                grads = torch.autograd.grad(out, (q, k, v), dy)
-                fwd = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-                both = time_ms(lambda: torch.autograd.grad(
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), dy))
-        except RuntimeError as e:
-            print(f"  {backend.name:20} unavailable: {str(e).splitlines()[0][:120]}")
+    ref = None
+    for backend in BACKENDS:
+        result = measure(backend, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), dy,
+                         forward_too=True)
+        if isinstance(result, str):
+            print(f"  {backend.name:20} unavailable: {result}")
             continue
-        ref = ref or (out, grads)
-        err = max((x.float() - y.float()).abs().max().item() for x, y in zip((out, *grads), (ref[0], *ref[1])))
+        ref = ref or result
+        _, _, fwd, both = result
         print(f"  {backend.name:20} fwd {fwd:6.3f} ms ({fwd_flops / fwd / 1e9:5.0f} TFLOP/s)   "
-              f"fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} TFLOP/s)   max |Δ| vs flash {err:.2e}")
+              f"fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} TFLOP/s)   "
+              f"max |Δ| vs flash {max_difference(result, ref):.2e}")
     if a.kv_heads < a.heads:
         grouped_query_attention(a, fwd_flops)
     transformer_engine_attention(a, fwd_flops)
+
+
+def measure(backend, fn, inputs, dy, forward_too=False):
+    """(output, input gradients, forward ms or None, forward+backward ms) of `fn` on one SDPA
+    backend, or why the backend cannot run it."""
+    try:
+        with sdpa_kernel(backend), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a backend's reasons for declining, one per call
+            out = fn()
+            grads = torch.autograd.grad(out, inputs, dy)
+            fwd = time_ms(fn) if forward_too else None
+            both = time_ms(lambda: torch.autograd.grad(fn(), inputs, dy))
+    except RuntimeError as e:
+        return str(e).splitlines()[0][:120]
+    return out, grads, fwd, both
+
+
+def max_difference(result, ref) -> float:
+    """The largest difference between two measured results' outputs and gradients."""
+    return max((x.float() - y.float()).abs().max().item()
+               for x, y in zip((result[0], *result[1]), (ref[0], *ref[1])))
 
 
 def grouped_query_attention(a, fwd_flops):
@@ -67,21 +86,16 @@ def grouped_query_attention(a, fwd_flops):
 
     print(f"grouped-query: {a.kv_heads} k/v heads for {a.heads} query heads")
     ref = None
-    for backend in [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]:
+    for backend in BACKENDS:
         for name, fn in [("k/v repeated", repeated), ("enable_gqa", grouped)]:
-            try:
-                with sdpa_kernel(backend), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # a backend's reasons for declining, one per call
-                    out = fn()
-                    grads = torch.autograd.grad(out, (q, k, v), dy)
-                    both = time_ms(lambda: torch.autograd.grad(fn(), (q, k, v), dy))
-            except RuntimeError as e:
-                print(f"  {backend.name:20} {name:13} unavailable: {str(e).splitlines()[0][:100]}")
+            result = measure(backend, fn, (q, k, v), dy)
+            if isinstance(result, str):
+                print(f"  {backend.name:20} {name:13} unavailable: {result}")
                 continue
-            ref = ref or (out, grads)
-            err = max((x.float() - y.float()).abs().max().item() for x, y in zip((out, *grads), (ref[0], *ref[1])))
+            ref = ref or result
+            both = result[3]
             print(f"  {backend.name:20} {name:13} fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} "
-                  f"TFLOP/s)   max |Δ| vs the first {err:.2e}")
+                  f"TFLOP/s)   max |Δ| vs the first {max_difference(result, ref):.2e}")
 
 
 def transformer_engine_attention(a, fwd_flops):

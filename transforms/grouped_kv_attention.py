@@ -48,48 +48,57 @@ def grouped_kv_attention_in(trace: Trace, devices: Sequence[str] = ("cuda",)) ->
     `trace` itself if there is none."""
     gm = trace.editable()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    rewritten = [node for node in list(gm.graph.nodes) if _rewrite(node, devices, order)]
-    if not rewritten:
+    writes = [order[n] for n in gm.graph.nodes if _writes(n)]
+    bypassed = [chain for node in list(gm.graph.nodes) for chain in _rewrite(node, devices, order, writes)]
+    if not bypassed:
         return trace
-    for node in list(reversed(gm.graph.nodes)):  # the repeats nothing reads any more
-        repeat = _repeat_of(node) if not node.users else None
-        for step in repeat[2] if repeat else ():
-            if step.users:
-                break
-            gm.graph.erase_node(step)
-    for node in list(reversed(gm.graph.nodes)):  # and the size arithmetic only they used
-        if not node.users and node.op == "call_function" and node.target in SIZE_MATH:
-            gm.graph.erase_node(node)
+    _erase_unused([n for chain in bypassed for n in chain])
     gm.graph.lint()
     gm.recompile()
     return trace.derive(gm, by="grouped_kv_attention")
 
 
-def _rewrite(node: fx.Node, devices, order) -> bool:
+def _rewrite(node: fx.Node, devices, order, writes) -> list[list[fx.Node]]:
+    """Points the SDPA `node` at the grouped k/v if it reads repeated ones and can only win; returns
+    the repeat chains it no longer reads (none: left alone)."""
     if node.op != "call_function" or node.target not in SDPA or node.kwargs.get("enable_gqa"):
-        return False
+        return []
     args = {**dict(zip(SDPA_ARGS, node.args)), **node.kwargs}
     q, k, v = (args.get(name) for name in SDPA_ARGS[:3])
     rk, rv = _repeat_of(k), _repeat_of(v)
     if rk is None or rv is None or rk[1] != rv[1]:
-        return False
+        return []
     # half precision where the attention runs: its inputs' dtype, or its output's under autocast
     # (`mixed_precision`: q/k/v may still be fp32 there, autocast casts them for SDPA)
     out, qv, kv, vv = (node_value(n) for n in (node, q, rk[0], rv[0]))
     if not (isinstance(out, torch.Tensor) and out.dtype in HALF and all(
             isinstance(t, torch.Tensor) and t.dim() == 4 and t.device.type in devices for t in (qv, kv, vv))):
-        return False
+        return []
     if not _same((kv.shape[1] * rk[1], vv.shape[1]), (qv.shape[1], kv.shape[1])):
-        return False
+        return []
     # the repeats are copies: a write into them, or into k/v, before the attention reads them would
     # make the grouped k/v differ from what the attention read
     first = min(order[n] for n in rk[2] + rv[2])
-    if any(_writes(n) for n in order if first <= order[n] < order[node]):
-        return False
+    if any(first <= w < order[node] for w in writes):
+        return []
     args.update(key=rk[0], value=rv[0])
     positional = [args.pop(name) for name in SDPA_ARGS[:len(node.args)]]
     node.args, node.kwargs = tuple(positional), {**args, "enable_gqa": True}
-    return True
+    return [rk[2], rv[2]]
+
+
+def _erase_unused(nodes: list[fx.Node]) -> None:
+    """Erases the given nodes nothing reads any more, and then the size arithmetic (`h * n` under
+    dynamic shapes) only they read."""
+    chains, work = set(nodes), list(nodes)
+    while work:
+        node = work.pop(0)
+        if node._erased or node.users:  # a chain shared by two attentions is listed twice
+            continue
+        if node in chains or node.op == "call_function" and node.target in SIZE_MATH:
+            inputs = node.all_input_nodes
+            node.graph.erase_node(node)
+            work.extend(inputs)
 
 
 def _repeat_of(node) -> Optional[tuple[fx.Node, int, list[fx.Node]]]:
