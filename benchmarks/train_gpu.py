@@ -24,6 +24,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -130,7 +131,39 @@ def top_kernels(step, n=30, trace_file=None):
     return kernels, kernel_kinds(trace) + idle_gaps(trace)
 
 
-def run_row(name, how, config, batches, profile=False, args_trace_dir=None):
+def host_profile(step_fn, opt, tokens, calls=10, top=22):
+    """Where the CPU time of the forward and backward calls goes (cProfile over `calls` steps, each
+    started on an idle GPU as in the timed loop): the part of the forward call before its first
+    launch is time the GPU waits at every step."""
+    import cProfile
+    import io
+    import pstats
+    out = {}
+    for phase in ("forward", "backward"):
+        prof = cProfile.Profile()
+        for _ in range(calls):
+            sync()
+            if phase == "forward":
+                prof.enable()
+            loss = step_fn(tokens)
+            prof.disable()
+            if phase == "backward":
+                prof.enable()
+            loss.backward()
+            prof.disable()
+            opt.zero_grad(set_to_none=True)
+        sync()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(top)
+        stats.sort_stats("tottime").print_stats(top)
+        lines = [line.rstrip() for line in text.getvalue().splitlines() if line.strip() and "ncalls" not in line]
+        out[f"host_profile_{phase} (cProfile, {calls} calls)"] = [
+            re.sub(r"\S*site-packages/", "", line)[:170] for line in lines if re.match(r"\s*[0-9/]+\s+[0-9.]", line)]
+    return out
+
+
+def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host_calls=False):
     torch.manual_seed(0)
     # the loss in fp32, as training scripts compute it: the loss-curve column then resolves
     # differences well below one bf16 ulp of the loss (0.06 at 10)
@@ -181,6 +214,8 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None):
         if profile and "on" not in graphs.values():  # replayed graphs have no regions to time
             extra.update(gpu_time_by_executor(step_fn, batches[0]))
             opt.zero_grad(set_to_none=True)  # else the profiled step below adds into these gradients
+    if host_calls:
+        extra.update(host_profile(step_fn, opt, batches[0]))
     if profile:
         def one_step():
             step_fn(batches[0]).backward()
@@ -201,6 +236,8 @@ def main():
     parser.add_argument("--all", action="store_true", help="every row (default: the acceptance rows)")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time per executor (pipeline rows), top kernels, and where the GPU sat idle")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="where the CPU time of the forward and backward calls goes (cProfile)")
     parser.add_argument("--trace-dir", default=None, help="with --profile: keep each row's chrome trace here")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds per row, compile included")
@@ -280,6 +317,7 @@ def run_in_subprocess(name, args):
                "--device", args.device]
         cmd += ["--profile"] if args.profile else []
         cmd += ["--trace-dir", args.trace_dir] if args.trace_dir else []
+        cmd += ["--host-profile"] if args.host_profile else []
         try:
             proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True, env=env)
         except subprocess.TimeoutExpired:
@@ -300,7 +338,7 @@ def run_one(args, config):
     batches = [pool[i % 2] for i in range(args.steps)]
     try:
         losses, times, peak, extra = run_row(args.row, executors_of(args.row), config, batches, args.profile,
-                                             args.trace_dir)
+                                             args.trace_dir, args.host_profile)
         result = {"row": args.row, "losses": losses, "times": times, "peak": peak, "extra": extra}
     except Exception as e:  # a row that cannot run says why; the others still run
         result = {"row": args.row, "error": f"{type(e).__name__}: {e}"[:2000]}
