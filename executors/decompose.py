@@ -1,10 +1,16 @@
-"""Lazy decomposition: break an op into core ATen / prims only when no listed executor claims it.
+"""Decomposition node by node: an op is broken into simpler ops where it stands, the rest of the
+graph untouched.
 
 `decompose_node` traces the op's decomposition on the node's fake inputs with `make_fx`, giving a
-small graph of simpler ops with full metadata, which the dispatcher splices in place of the node.
+small graph of simpler ops with full metadata, which the dispatcher splices in place of the node
+(lazy decomposition: only ops no listed executor claims). `decompose_graph` does it for every op a
+decomposition table covers — what re-tracing the whole graph with `make_fx(decomposition_table=...)`
+gives, at the cost of the ops it changes: the identical layers of a model share one trace per
+distinct op and input signature.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -26,10 +32,12 @@ def decomposition_of(op):
     return fn
 
 
-def decompose_node(node: fx.Node) -> Optional[fx.GraphModule]:
+def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.GraphModule]:
     """The decomposition of `node` as a graph over its tensor/SymInt inputs, or None if it has none
-    (or the decomposition declines, or only reproduces the op itself)."""
-    fn = decomposition_of(node.target)
+    (or the decomposition declines, or only reproduces the op itself). With `table`, the op is
+    traced through that decomposition table, recursively, as `make_fx(decomposition_table=table)`
+    would; without, through its registered decomposition, one level."""
+    fn = node.target if table is not None else decomposition_of(node.target)
     if fn is None:
         return None
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
@@ -52,28 +60,129 @@ def decompose_node(node: fx.Node) -> Optional[fx.GraphModule]:
     try:
         if fake_mode is not None:
             with fake_mode:
-                gm = make_fx(run, tracing_mode="real")(*values)
+                gm = make_fx(run, decomposition_table=table, tracing_mode="real")(*values)
         else:
-            gm = make_fx(run, tracing_mode="fake")(*values)
+            gm = make_fx(run, decomposition_table=table, tracing_mode="fake")(*values)
     except _Declined:
         return None
     except Exception:
         return None  # a decomposition that cannot run on these inputs: keep the op whole
-    if any(n.op == "call_function" and n.target is node.target for n in gm.graph.nodes):
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    if table is not None:  # declined: the op itself, alone (a decomposition may re-emit it upcast)
+        return None if len(calls) == 1 and calls[0].target is node.target else gm
+    if any(n.target is node.target for n in calls):
         return None
     return gm
 
 
+class NotDecomposable(Exception):
+    """`decompose_graph` cannot decompose this graph node by node (the caller re-traces it whole)."""
+
+
+def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
+    """A copy of `gm` with every op that `table` decomposes (or that has a CompositeImplicit kernel)
+    replaced by its decomposition. Each distinct (op, input metadata, constant arguments) is traced
+    once; each splice then re-derives its values on its own fake inputs, so no two nodes share a
+    fake tensor (Inductor reads aliasing from them). Raises `NotDecomposable` on symbolic shapes or
+    a decomposition whose output's metadata differs from the op's."""
+    graph = copy.deepcopy(gm.graph)
+    fake_mode = _fake_mode_of([node_value(n) for n in graph.nodes if n.op == "placeholder"])
+    if fake_mode is None:
+        raise NotDecomposable("the graph's inputs carry no fake values")
+    traced: dict = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not (
+                node.target in table or node.target.has_kernel_for_dispatch_key(
+                    torch._C.DispatchKey.CompositeImplicitAutograd)):
+            continue
+        key = _signature(node)
+        if key not in traced:
+            traced[key] = decompose_node(node, table)
+        sub = traced[key]
+        if sub is None:
+            continue
+        promised = node_value(node)
+        if _retarget(node, sub):  # one op for another (most of them): the node keeps its own value
+            continue
+        try:
+            new_nodes, result = _inline(graph, node, sub)
+        except _Declined:
+            raise NotDecomposable(f"a user of {node.name}'s outputs is not an index into them") from None
+        for n in new_nodes:
+            if n.op == "call_function":
+                n.meta = {**n.meta, "val": _fake_run(n, fake_mode)}
+        got = pytree.tree_map(lambda r: node_value(r) if isinstance(r, fx.Node) else r, result)
+        if not _same_metadata(got, promised):
+            raise NotDecomposable(f"{node.target}'s decomposition changes its output's metadata")
+    return fx.GraphModule(gm, graph)
+
+
+def _retarget(node: fx.Node, sub: fx.GraphModule) -> bool:
+    """Where `sub` is a single op (`t` -> `permute`, `_to_copy` -> `convert_element_type`) with the
+    node's output metadata, the node becomes that op in place; False where it is more."""
+    calls = [n for n in sub.graph.nodes if n.op == "call_function"]
+    output = next(n for n in reversed(sub.graph.nodes) if n.op == "output").args[0]
+    if len(calls) != 1 or output is not calls[0] or not _same_metadata(node_value(calls[0]), node_value(node)):
+        return False
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    value_map = dict(zip((n for n in sub.graph.nodes if n.op == "placeholder"),
+                         (a for a in flat if isinstance(a, fx.Node))))
+    node.target = calls[0].target
+    node.args = fx.map_arg(calls[0].args, value_map.__getitem__)
+    node.kwargs = fx.map_arg(calls[0].kwargs, value_map.__getitem__)
+    return True
+
+
+def _signature(node: fx.Node) -> tuple:
+    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+    key = [node.target, str(spec)]
+    for a in flat:
+        if isinstance(a, fx.Node):
+            v = node_value(a)
+            if not isinstance(v, torch.Tensor) or any(not isinstance(s, int) for s in (*v.shape, *v.stride())):
+                raise NotDecomposable(f"input {a.name} of {node.name} is not a tensor of static shape")
+            key.append((tuple(v.shape), v.stride(), v.dtype, v.device, v.storage_offset()))
+        elif isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise NotDecomposable(f"{node.name} takes a symbolic size")
+        else:
+            key.append((type(a), a if isinstance(a, (int, float, bool, str, type(None), torch.dtype,
+                                                     torch.device, torch.layout, torch.memory_format)) else repr(a)))
+    return tuple(key)
+
+
+def _fake_run(node: fx.Node, fake_mode):
+    """The node's value recomputed from its inputs' fake values."""
+    args, kwargs = pytree.tree_map(lambda a: node_value(a) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    with fake_mode:
+        return node.target(*args, **kwargs)
+
+
+def _same_metadata(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_metadata(x, y) for x, y in zip(a, b))
+    return type(a) is type(b)
+
+
 def splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> list[fx.Node]:
     """Replaces `node` in `graph` by the nodes of `sub`; returns the new nodes."""
+    new_nodes, _ = _inline(graph, node, sub)
+    for n in new_nodes:
+        n.meta.pop("executor", None)
+    return new_nodes
+
+
+def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> tuple[list[fx.Node], object]:
+    """Replaces `node` in `graph` by the nodes of `sub`; returns the new nodes and the value(s) that
+    stand for the node's result."""
     flat, _ = pytree.tree_flatten((node.args, node.kwargs))
     inputs = [a for a in flat if isinstance(a, fx.Node)]
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     value_map = dict(zip(placeholders, inputs))
-    before = set(graph.nodes)
     with graph.inserting_before(node):
-        result = graph.graph_copy(sub.graph, value_map)
-    new_nodes = [n for n in graph.nodes if n not in before]
+        result = graph.graph_copy(sub.graph, value_map)  # fills value_map: sub's node -> its copy
+    new_nodes = [value_map[n] for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
     if isinstance(result, (tuple, list)):
         for user in list(node.users):
             if user.op == "call_function" and user.target.__name__ == "getitem":
@@ -84,9 +193,7 @@ def splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> list[fx.Node]
     else:
         node.replace_all_uses_with(result)
     graph.erase_node(node)
-    for n in new_nodes:
-        n.meta.pop("executor", None)
-    return new_nodes
+    return new_nodes, result
 
 
 def _fake_mode_of(values):

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from .base import (Executor, RegionDeclined, computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,
                    meta_strides_unreliable, op_name, promised_strides)
+from .decompose import NotDecomposable, decompose_graph
 
 
 class InductorExecutor(Executor):
@@ -288,21 +289,26 @@ def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple
 
 
 def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
-    """The region re-traced with Inductor's own decompositions, then Inductor's graph-level
-    rewrites (`joint_graph_passes`): inside torch.compile, AOTAutograd applies the first and the
-    partition step the second before `compile_fx_inner` sees a graph. Without the rewrites, NLL's
-    backward keeps `zeros + scatter` (a logits-sized fp32 buffer: 0.98 GiB for a 32k vocabulary at
-    8k tokens) where Inductor would compute the one-hot inline."""
+    """The region with Inductor's own decompositions applied, then Inductor's graph-level rewrites
+    (`joint_graph_passes`): inside torch.compile, AOTAutograd applies the first and the partition
+    step the second before `compile_fx_inner` sees a graph. Without the rewrites, NLL's backward
+    keeps `zeros + scatter` (a logits-sized fp32 buffer: 0.98 GiB for a 32k vocabulary at 8k
+    tokens) where Inductor would compute the one-hot inline. The decompositions are spliced in op
+    by op (`decompose_graph`: a whole-model region re-traced with `make_fx` took seconds of the
+    first step); a region that cannot be done that way (symbolic shapes) is re-traced whole."""
     from torch._guards import detect_fake_mode
     from torch._inductor import config
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    table = _decompositions(config.fallback_random)
     fake_mode = detect_fake_mode(list(example_inputs))
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        traced = make_fx(gm, decomposition_table=_decompositions(config.fallback_random),
-                         tracing_mode="real")(*example_inputs)
-        return joint_graph_passes(traced)
+        try:
+            decomposed = decompose_graph(gm, table)
+        except NotDecomposable:
+            decomposed = make_fx(gm, decomposition_table=table, tracing_mode="real")(*example_inputs)
+        return joint_graph_passes(decomposed)
 
 
 _DECOMPOSE_BEFORE_PARTITION = (
