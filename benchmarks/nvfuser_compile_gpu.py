@@ -6,8 +6,9 @@ ending in an RMSNorm-style reduction, 2N chain lengths), through the executor's 
 after one warm-up fusion, compiles N in one thread and the other N in a pool.
 
 Measured on the H200 (nvFuser 0.2.36, torch 2.11, 2026-12-01): 8 fusions in one thread took 6.7 s
-(0.41-1.44 s each); the pool of 8 threads had not finished its 8 in the ~85 s left of the run's 100 s limit. Compiling the regions'
-fusions in threads does not pay, so the executor compiles them one after another.
+(0.41-1.44 s each); a pool of 8 threads had not finished its 8 in the ~85 s left of the run's 100 s
+limit. Compiling the regions' fusions in threads does not pay, so the executor compiles them one
+after another.
 
     python benchmarks/nvfuser_compile_gpu.py [--fusions 8 --threads 8 --timeout 120]
 """
