@@ -82,39 +82,66 @@ class NotDecomposable(Exception):
 def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
     """A copy of `gm` with every op that `table` decomposes (or that has a CompositeImplicit kernel)
     replaced by its decomposition. Each distinct (op, input metadata, constant arguments) is traced
-    once; each splice then re-derives its values on its own fake inputs, so no two nodes share a
-    fake tensor (Inductor reads aliasing from them). Raises `NotDecomposable` on symbolic shapes or
-    a decomposition whose output's metadata differs from the op's."""
+    once; each splice then derives its values from its own inputs' fake values, and views of a
+    spliced value are derived again, so fake values alias exactly as the values do (Inductor's
+    passes read aliasing from them). Raises `NotDecomposable` on symbolic shapes or a
+    decomposition whose output's metadata differs from the op's."""
     graph = copy.deepcopy(gm.graph)
     fake_mode = _fake_mode_of([node_value(n) for n in graph.nodes if n.op == "placeholder"])
     if fake_mode is None:
         raise NotDecomposable("the graph's inputs carry no fake values")
     traced: dict = {}
+    # node -> storages its users' values may still alias from before a splice gave it a new value:
+    # such a user (a view) is re-derived too, or it would look unaliased to Inductor's passes
+    stale: dict[fx.Node, set] = {}
     for node in list(graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not (
-                node.target in table or node.target.has_kernel_for_dispatch_key(
-                    torch._C.DispatchKey.CompositeImplicitAutograd)):
+        if node.op != "call_function":
             continue
-        key = _signature(node)
-        if key not in traced:
-            traced[key] = decompose_node(node, table)
-        sub = traced[key]
-        if sub is None:
-            continue
-        promised = node_value(node)
-        if _retarget(node, sub):  # one op for another (most of them): the node keeps its own value
-            continue
-        try:
-            new_nodes, result = _inline(graph, node, sub)
-        except _Declined:
-            raise NotDecomposable(f"a user of {node.name}'s outputs is not an index into them") from None
-        for n in new_nodes:
-            if n.op == "call_function":
-                n.meta = {**n.meta, "val": _fake_run(n, fake_mode)}
-        got = pytree.tree_map(lambda r: node_value(r) if isinstance(r, fx.Node) else r, result)
-        if not _same_metadata(got, promised):
-            raise NotDecomposable(f"{node.target}'s decomposition changes its output's metadata")
+        if _decomposable(node, table):
+            key = _signature(node)
+            if key not in traced:
+                traced[key] = decompose_node(node, table)
+            sub = traced[key]
+            if sub is not None and not _retarget(node, sub):  # retargeted: one op for another
+                _splice_with_values(graph, node, sub, fake_mode, stale)
+                continue
+        mine = _storages(node_value(node))
+        if any(mine & stale.get(i, set()) for i in node.all_input_nodes):
+            node.meta = {**node.meta, "val": _fake_run(node, fake_mode)}
+            stale.setdefault(node, set()).update(mine)
     return fx.GraphModule(gm, graph)
+
+
+def _decomposable(node: fx.Node, table: dict) -> bool:
+    op = node.target
+    return isinstance(op, torch._ops.OpOverload) and (
+        op in table or op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
+
+
+def _splice_with_values(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, fake_mode, stale: dict):
+    """Splices `sub` in place of `node`, deriving each new node's value from its inputs' values."""
+    promised = node_value(node)
+    try:
+        new_nodes, result = _inline(graph, node, sub)
+    except _Declined:
+        raise NotDecomposable(f"a user of {node.name}'s outputs is not an index into them") from None
+    for n in new_nodes:
+        if n.op == "call_function":
+            n.meta = {**n.meta, "val": _fake_run(n, fake_mode)}
+    got = pytree.tree_map(lambda r: node_value(r) if isinstance(r, fx.Node) else r, result)
+    if not _same_metadata(got, promised):
+        raise NotDecomposable(f"{node.target}'s decomposition changes its output's metadata")
+    results = result if isinstance(result, (tuple, list)) else [result]
+    olds = promised if isinstance(promised, (tuple, list)) else [promised]
+    for r, old in zip(results, olds):
+        if isinstance(r, fx.Node):
+            stale.setdefault(r, set()).update(_storages(old))
+
+
+def _storages(value) -> set:
+    """The storages of the tensors in a node's value."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return {StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)}
 
 
 def _retarget(node: fx.Node, sub: fx.GraphModule) -> bool:

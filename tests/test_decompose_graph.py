@@ -33,6 +33,17 @@ def _real(value, generator):
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).copy_(data)
 
 
+def _is_view(node):
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None \
+        and not schema.returns[0].alias_info.is_write and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _storage(value):
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return StorageWeakRef(value.untyped_storage())
+
+
 def _ops(gm):
     return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
@@ -51,6 +62,11 @@ def test_op_by_op_decomposition_matches_retracing_the_whole_graph(stage):
     assert _ops(by_op) != _ops(gm), "the table should decompose something in a Llama step"
     values = [n.meta["val"] for n in by_op.graph.nodes if n.op == "call_function"]
     assert len({id(v) for v in values}) == len(values), "each node needs its own fake value"
+    views = [n for n in by_op.graph.nodes if _is_view(n)]
+    assert views
+    for view in views:  # a view's fake value shares its base's storage, as Inductor's passes expect
+        base = view.args[0].meta["val"]
+        assert _storage(view.meta["val"]) == _storage(base), view.format_node()
     g = torch.Generator().manual_seed(0)
     inputs = [_real(v, g) for v in fakes]
     torch.testing.assert_close(by_op(*inputs), whole(*inputs), rtol=0, atol=0, equal_nan=True)
