@@ -66,6 +66,8 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
     except _Declined:
         return None
     except Exception:
+        if table is not None:  # decompose_graph re-traces the whole graph, which decides
+            raise
         return None  # a decomposition that cannot run on these inputs: keep the op whole
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     if table is not None:  # declined: the op itself, alone (a decomposition may re-emit it upcast)
@@ -90,6 +92,10 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
     fake_mode = _fake_mode_of([node_value(n) for n in graph.nodes if n.op == "placeholder"])
     if fake_mode is None:
         raise NotDecomposable("the graph's inputs carry no fake values")
+    higher_order = [n.name for n in graph.nodes if n.op == "call_function"
+                    and isinstance(n.target, torch._ops.HigherOrderOperator)]
+    if higher_order:  # their bodies (and out_dtype, which the table decomposes) need the whole re-trace
+        raise NotDecomposable(f"higher-order ops {higher_order[:3]}")
     traced: dict = {}
     # node -> storages its users' values may still alias from before a splice gave it a new value:
     # such a user (a view) is re-derived too, or it would look unaliased to Inductor's passes
@@ -100,7 +106,12 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
         if _decomposable(node, table):
             key = _signature(node)
             if key not in traced:
-                traced[key] = decompose_node(node, table)
+                try:
+                    traced[key] = decompose_node(node, table)
+                except Exception as e:
+                    raise NotDecomposable(f"tracing {node.target} failed: {type(e).__name__}: {e}") from e
+                if traced[key] is not None and any(n.op == "get_attr" for n in traced[key].graph.nodes):
+                    raise NotDecomposable(f"{node.target}'s decomposition makes tensor constants")
             sub = traced[key]
             if sub is not None and not _retarget(node, sub):  # retargeted: one op for another
                 _splice_with_values(graph, node, sub, fake_mode, stale)
@@ -161,19 +172,25 @@ def _retarget(node: fx.Node, sub: fx.GraphModule) -> bool:
 
 
 def _signature(node: fx.Node) -> tuple:
+    """What a traced decomposition depends on: the op, each input's metadata and which argument
+    slots hold the same input (a trace of `lerp(x, x, w)` binds both to one placeholder), and the
+    constants (floats by repr: 0.0 and -0.0 hash alike)."""
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
-    key = [node.target, str(spec)]
+    key: list = [node.target, str(spec)]
+    first_slot: dict = {}
     for a in flat:
         if isinstance(a, fx.Node):
             v = node_value(a)
             if not isinstance(v, torch.Tensor) or any(not isinstance(s, int) for s in (*v.shape, *v.stride())):
                 raise NotDecomposable(f"input {a.name} of {node.name} is not a tensor of static shape")
-            key.append((tuple(v.shape), v.stride(), v.dtype, v.device, v.storage_offset()))
+            key.append((first_slot.setdefault(a, len(first_slot)), tuple(v.shape), v.stride(), v.dtype,
+                        v.device, v.storage_offset(), v.requires_grad))
         elif isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise NotDecomposable(f"{node.name} takes a symbolic size")
+        elif isinstance(a, (int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            key.append((type(a), a))
         else:
-            key.append((type(a), a if isinstance(a, (int, float, bool, str, type(None), torch.dtype,
-                                                     torch.device, torch.layout, torch.memory_format)) else repr(a)))
+            key.append((type(a), repr(a)))
     return tuple(key)
 
 

@@ -82,3 +82,28 @@ def test_symbolic_shapes_are_retraced_whole():
     decomposed = _inductor_decomposed(gm, fakes)  # falls back to make_fx over the whole graph
     x, w = torch.randn(5, 8), torch.randn(6, 8)
     torch.testing.assert_close(decomposed(x, w)[0], f(x, w)[0])
+
+
+def _by_op_and_whole(fn, *inputs):
+    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    table = _decompositions(False)
+    with detect_fake_mode(fakes):
+        whole = make_fx(gm, decomposition_table=table, tracing_mode="real")(*fakes)
+    return _inductor_decomposed(gm, fakes), whole
+
+
+@pytest.mark.parametrize("name, fn", [
+    # one trace per signature: a trace of lerp(x, x, w) binds both slots to one input
+    ("the same input in two slots", lambda x, a: (torch.ops.aten.lerp.Scalar(x, x, 0.3),
+                                                  torch.ops.aten.lerp.Scalar(x, a, 0.3))),
+    # 0.0 and -0.0 hash alike
+    ("signed zeros", lambda x, a: (1 / torch.full_like(x, 0.0), 1 / torch.full_like(x, -0.0))),
+    # a decomposition making a tensor constant: the whole graph is re-traced instead
+    ("a tensor constant", lambda x, a: (torch.ops.aten.searchsorted.Scalar(torch.sort(a).values, 0.3) + x,)),
+])
+def test_decomposed_graph_computes_what_the_ops_compute(name, fn):
+    x, a = torch.randn(4), torch.randn(4)
+    by_op, whole = _by_op_and_whole(fn, x, a)
+    torch.testing.assert_close(by_op(x, a), fn(x, a), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(by_op(x, a), whole(x, a), rtol=0, atol=0)
