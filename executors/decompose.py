@@ -27,9 +27,14 @@ def decomposition_of(op):
     if not isinstance(op, torch._ops.OpOverload):
         return None
     fn = decomposition_table.get(op)
-    if fn is None and op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+    if fn is None and _is_composite(op):
         fn = op.decompose
     return fn
+
+
+def _is_composite(op) -> bool:
+    """Whether the op is written in other ops (CompositeImplicitAutograd): make_fx breaks it up."""
+    return op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.GraphModule]:
@@ -116,8 +121,9 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
             if sub is not None and not _retarget(node, sub):  # retargeted: one op for another
                 _splice_with_values(graph, node, sub, fake_mode, stale)
                 continue
-        mine = _storages(node_value(node))
-        if any(mine & stale.get(i, set()) for i in node.all_input_nodes):
+        inputs_stale = [stale[i] for i in node.all_input_nodes if i in stale]
+        mine = _storages(node_value(node)) if inputs_stale else set()
+        if any(mine & s for s in inputs_stale):
             node.meta = {**node.meta, "val": _fake_run(node, fake_mode)}
             stale.setdefault(node, set()).update(mine)
     return fx.GraphModule(gm, graph)
@@ -125,8 +131,7 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
 
 def _decomposable(node: fx.Node, table: dict) -> bool:
     op = node.target
-    return isinstance(op, torch._ops.OpOverload) and (
-        op in table or op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
+    return isinstance(op, torch._ops.OpOverload) and (op in table or _is_composite(op))
 
 
 def _splice_with_values(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, fake_mode, stale: dict):
@@ -162,9 +167,7 @@ def _retarget(node: fx.Node, sub: fx.GraphModule) -> bool:
     output = next(n for n in reversed(sub.graph.nodes) if n.op == "output").args[0]
     if len(calls) != 1 or output is not calls[0] or not _same_metadata(node_value(calls[0]), node_value(node)):
         return False
-    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
-    value_map = dict(zip((n for n in sub.graph.nodes if n.op == "placeholder"),
-                         (a for a in flat if isinstance(a, fx.Node))))
+    value_map = _placeholders_to_inputs(node, sub)
     node.target = calls[0].target
     node.args = fx.map_arg(calls[0].args, value_map.__getitem__)
     node.kwargs = fx.map_arg(calls[0].kwargs, value_map.__getitem__)
@@ -220,10 +223,7 @@ def splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> list[fx.Node]
 def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> tuple[list[fx.Node], object]:
     """Replaces `node` in `graph` by the nodes of `sub`; returns the new nodes and the value(s) that
     stand for the node's result."""
-    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
-    inputs = [a for a in flat if isinstance(a, fx.Node)]
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    value_map = dict(zip(placeholders, inputs))
+    value_map = _placeholders_to_inputs(node, sub)
     with graph.inserting_before(node):
         result = graph.graph_copy(sub.graph, value_map)  # fills value_map: sub's node -> its copy
     new_nodes = [value_map[n] for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
@@ -238,6 +238,12 @@ def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> tuple[list[f
         node.replace_all_uses_with(result)
     graph.erase_node(node)
     return new_nodes, result
+
+
+def _placeholders_to_inputs(node: fx.Node, sub: fx.GraphModule) -> dict:
+    """`sub`'s placeholders (traced from `node`'s node arguments, in order) -> those arguments."""
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return dict(zip((n for n in sub.graph.nodes if n.op == "placeholder"), (a for a in flat if isinstance(a, fx.Node))))
 
 
 def _fake_mode_of(values):

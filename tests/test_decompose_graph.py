@@ -56,7 +56,7 @@ def test_op_by_op_decomposition_matches_retracing_the_whole_graph(stage):
     code_before = gm.code
     with detect_fake_mode(fakes):
         by_op = decompose_graph(gm, table)
-        whole = make_fx(gm, decomposition_table=table, tracing_mode="real")(*fakes)
+    whole = _whole_retrace(gm, fakes)
     assert gm.code == code_before, "decompose_graph must work on a copy"
     assert _ops(by_op) == _ops(whole)
     assert _ops(by_op) != _ops(gm), "the table should decompose something in a Llama step"
@@ -84,13 +84,16 @@ def test_symbolic_shapes_are_retraced_whole():
     torch.testing.assert_close(decomposed(x, w)[0], f(x, w)[0])
 
 
+def _whole_retrace(gm, fakes):
+    """What the op-by-op result must equal: the whole graph re-traced through Inductor's table."""
+    with detect_fake_mode(fakes):
+        return make_fx(gm, decomposition_table=_decompositions(False), tracing_mode="real")(*fakes)
+
+
 def _by_op_and_whole(fn, *inputs):
     gm = make_fx(fn, tracing_mode="fake")(*inputs)
     fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    table = _decompositions(False)
-    with detect_fake_mode(fakes):
-        whole = make_fx(gm, decomposition_table=table, tracing_mode="real")(*fakes)
-    return _inductor_decomposed(gm, fakes), whole
+    return _inductor_decomposed(gm, fakes), _whole_retrace(gm, fakes)
 
 
 @pytest.mark.parametrize("name, fn", [
