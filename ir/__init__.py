@@ -8,7 +8,8 @@ from .printer import python_callable, python_globals, python_source
 from .interpret import interpret
 from .verify import TraceError, verify
 from .region import Region
+from .diagnostics import PipelineFallbackWarning, PipelineWarning, get_logger
 
 __all__ = ["Trace", "InputSpec", "OutputSpec", "Step", "Region", "TraceError", "verify", "interpret",
            "python_source", "python_callable", "python_globals", "describe_value", "fake_like", "node_value",
-           "is_random", "output_ancestors"]
+           "is_random", "output_ancestors", "PipelineWarning", "PipelineFallbackWarning", "get_logger"]

@@ -1,0 +1,50 @@
+"""The project's warning categories and logger, in the lowest layer so every package can use them.
+
+    PIPELINE_LOG=info python train.py    # what each graph goes through: capture, lowering, regions
+
+Warnings are for what a user must know (something runs slower or differently than asked);
+the logger is for following what the compiler is doing. Filter our warnings with
+`warnings.simplefilter("error", PipelineFallbackWarning)` or `pipeline.jit(..., fallback="raise")`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+class PipelineWarning(UserWarning):
+    """Something the user asked for was done differently (a cast while loading a checkpoint, an
+    ignored key, a cache turned off)."""
+
+
+class PipelineFallbackWarning(PipelineWarning):
+    """Part of the model runs in eager PyTorch, or on another executor than the listed one, instead
+    of compiled as asked: a graph the pipeline could not lower, a frame Dynamo gave up on, a region
+    whose executor failed or returned a wrong result. Counted in `compile_stats(cm).fallbacks`."""
+
+
+logger = logging.getLogger("pipeline")
+
+
+def get_logger(name: str) -> logging.Logger:
+    """`pipeline.<name>`: a child of the project's logger."""
+    return logger.getChild(name)
+
+
+def _configure_from_env() -> None:
+    """`PIPELINE_LOG=info|debug|warning` sends the pipeline's log to stderr at that level."""
+    level = os.environ.get("PIPELINE_LOG", "").strip().upper()
+    if not level:
+        return
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"PIPELINE_LOG={level.lower()!r}: use debug, info, warning or error")
+    if not any(getattr(h, "_pipeline_env", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[%(name)s %(relativeCreated)8.0fms] %(message)s"))
+        handler._pipeline_env = True
+        logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+_configure_from_env()
