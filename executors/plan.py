@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import operator
@@ -23,23 +24,50 @@ from ir import Region, Trace, describe_value, node_value
 from .base import Executor, RegionDeclined, op_name
 from .dispatch import Assignment, assign
 from .partition import keep_islands_whole, partition
+from .result_check import ResultCheck
 from .torch_executor import torch_executor
 
 
 class CompiledRegion(torch.nn.Module):
     """One region as it runs: the executor's compiled callable, named for the region.
 
+    Its first call is checked (`executors/result_check.py`): a result whose count, types, shapes,
+    dtypes, devices or strides differ from the region's trace is replaced by the result of the next
+    executor that claims the region (`replace`), which then runs it; later calls run the callable
+    with no check (`PIPELINE_DEBUG=1` checks every call).
+
     While `CompiledRegion.profiling` is set (by `pipeline.profile`), each call is a named range
     (`region3:inductor`) in the profiler's timeline and chrome trace."""
 
     profiling = False
 
-    def __init__(self, fn: Callable, region: Region, source: fx.GraphModule):
+    def __init__(self, fn: Callable, region: Region, source: fx.GraphModule,
+                 replace: Optional[Callable[[str], Callable]] = None):
         super().__init__()
         self.fn = fn
         self.region = region
         self.source = source  # the region's ATen graph, for inspection
         self.label = f"region{region.id}:{region.executor}"
+        self.check = ResultCheck(source, region, replace)
+        self.forward = self._checked_forward  # instance attributes: dropped after the first call
+        self.call_boxed = self._checked_call_boxed
+
+    def _checked_forward(self, *args):
+        return self._checked(list(args), boxed=False)
+
+    def _checked_call_boxed(self, args: list):
+        return self._checked(args, boxed=True)
+
+    def _checked(self, args: list, boxed: bool):
+        held = self.check.hold(args)  # the inputs, to run the region again if its result is wrong
+        out = CompiledRegion.call_boxed(self, args) if boxed else CompiledRegion.forward(self, *args)
+        while (problem := self.check.problem(out)) is not None:
+            self.fn = self.check.replacement(problem)
+            self.label = f"region{self.region.id}:{self.region.executor}"
+            out = CompiledRegion.forward(self, *self.check.hold(held))
+        if not self.check.every_call:
+            del self.forward, self.call_boxed
+        return out
 
     def forward(self, *args):
         if CompiledRegion.profiling:
@@ -55,7 +83,7 @@ class CompiledRegion(torch.nn.Module):
         if run is None:
             held = tuple(args)
             args.clear()
-            return self.forward(*held)
+            return CompiledRegion.forward(self, *held)
         if CompiledRegion.profiling:
             with torch.profiler.record_function(self.label):
                 return run(args)
@@ -86,7 +114,7 @@ class Execution:
 def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_id: str = "",
              fallback: Executor = torch_executor, first_region_id: int = 0,
              artifacts: Optional[dict[str, RegionArtifact]] = None,
-             donated: Sequence[int] = ()) -> Execution:
+             donated: Sequence[int] = (), on_fallback: Optional[Callable[[str], None]] = None) -> Execution:
     """Assigns, partitions and compiles `trace`; see the module docstring.
 
     `artifacts` (region key -> `RegionArtifact`), when given, is the compiled-artifact cache: a
@@ -95,7 +123,10 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
 
     `donated`: indices of the trace's inputs that nothing reads after this stage (AOTAutograd's
     `bw_donated_idxs`: saved activations in a backward). The region that reads such an input last
-    gets it marked `meta["donated"]` on its placeholder, so its executor may reuse the memory."""
+    gets it marked `meta["donated"]` on its placeholder, so its executor may reuse the memory.
+
+    `on_fallback(message)` is told when a region's result, at its first call, is not what its
+    trace says and the region moves to the next executor (default: a `PipelineFallbackWarning`)."""
     start = time.perf_counter()
     gm = trace.editable()
     assignment = assign(gm, executors, fallback)
@@ -107,6 +138,7 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     by_name = {e.name: e for e in order}
     regions, loaded, uncached = [], set(), []
     compiled: dict[tuple, tuple[Callable, Region]] = {}  # (executor, structure) -> the first region built
+    replaced: dict[tuple, tuple[Callable, Region]] = {}  # the same, for regions whose result was wrong
     for k, (sub_name, ex_name) in enumerate(named):
         source = gm.get_submodule(sub_name)
         region = _describe(source, first_region_id + k, stage, ex_name, graph_id)
@@ -139,7 +171,10 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
                 region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
             if structure:
                 compiled[(ex_name, structure)] = (fn, region)
-        gm.add_submodule(sub_name, CompiledRegion(fn, region, source))
+        replace = functools.partial(_replace_wrong_result, source=source, region=region, structure=structure,
+                                    order=order, fallback=fallback, replaced=replaced,
+                                    on_fallback=on_fallback or _warn)
+        gm.add_submodule(sub_name, CompiledRegion(fn, region, source, replace))
         regions.append(region)
     _set_region_values(gm)
     gm.recompile()
@@ -231,6 +266,33 @@ def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, 
     notes.append(f"region {region.id} not cached: {reason}")
 
 
+def _replace_wrong_result(problem: str, *, source, region: Region, structure, order, fallback,
+                          replaced: dict, on_fallback) -> Callable:
+    """The region compiled by the executors after the one whose result was wrong (`problem`), once
+    per kind of region: an identical region reuses the replacement, without a second warning."""
+    wrong = next(e for e in order if e.name == region.executor)
+    key = (wrong.name, structure) if structure else None
+    if key in replaced:
+        fn, first = replaced[key]
+        region.executor, region.fallback_reason = first.executor, first.fallback_reason
+        return fn
+    later = [e for e in order[order.index(wrong) + 1:] if _claims_all(e, source)]
+    if wrong.name == fallback.name:
+        raise RuntimeError(f"{problem}; no other executor can run region {region.id}")
+    fn, _ = _compile_with_fallback(source, region, (later or [fallback])[0], order, fallback)
+    region.fallback_reason = "; ".join(filter(None, [problem, region.fallback_reason]))
+    if key is not None:
+        replaced[key] = (fn, region)
+    on_fallback(f"region {region.id} ({region.graph_id} {region.stage}) runs on {region.executor}: {problem}")
+    return fn
+
+
+def _warn(message: str) -> None:
+    import warnings
+    from ir import PipelineFallbackWarning
+    warnings.warn(f"pipeline: {message}", PipelineFallbackWarning, stacklevel=3)
+
+
 def _compile_with_fallback(source, region, first: Executor, order, fallback) -> tuple[Callable, bool]:
     """The region compiled by the first candidate that takes it, and whether any candidate failed
     (raised an error, as opposed to declining)."""
@@ -250,6 +312,11 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback) -> 
         except Exception as e:  # a region an executor cannot compile runs on the next one
             failed = True
             reasons.append(f"{ex.name} failed to compile: {type(e).__name__}: {str(e).strip()[:300]}")
+            continue
+        if not callable(fn):
+            failed = True
+            reasons.append(f"{ex.name} failed to compile: compile_region returned {type(fn).__name__}, "
+                           f"not a callable")
             continue
         region.compile_seconds = time.perf_counter() - start
         region.executor = ex.name

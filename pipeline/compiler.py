@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 from typing import Sequence
 
 import torch.fx as fx
@@ -21,20 +20,26 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import CompileContext, TracingContext
 
 from executors import dispatch
-from ir import OutputSpec, Step, Trace
+from ir import OutputSpec, Step, Trace, TraceError, get_logger, verify
+from ir.typecheck import check_types
 from transforms import TracePass
 from transforms.grouped_kv_attention import grouped_kv_attention_in
 
 from . import cuda_graphs
 from .cache import GraphCache
+from .fallbacks import PipelineFallbackError, report_fallback
 from .record import GraphRecord
 from .save_policy import recompute_upcasts
 from .runtime_wrappers import BoxedStage, graph_wrappers, post_compile_all, pre_compile_all, wrapper_metadata
 from .specs import captured_input_specs, lowered_input_specs, lowered_output_specs
 
 
+log = get_logger("compiler")
+
+
 class PassError(RuntimeError):
-    """A trace pass misbehaved (returned something else than a Trace, or edited its input)."""
+    """A trace pass misbehaved: it raised, returned something else than a Trace, edited its input,
+    or returned a trace whose metadata or outputs are not what its ops compute."""
 
 
 class PipelineBackend:
@@ -54,18 +59,20 @@ class PipelineBackend:
             state.recompiles += 1
         state.records.append(record)
         start = time.perf_counter()
+        log.info("%s: captured %d ops (Dynamo frame %s)", record.graph_id,
+                 sum(n.op.startswith("call") for n in gm.graph.nodes), record.compile_id)
         try:
             return self._compile(gm, example_inputs, record)
-        except PassError:
+        except (PassError, PipelineFallbackError):
             raise
-        except Exception as e:  # anything the pipeline cannot compile runs in eager, with the reason
+        except Exception as e:  # model code the pipeline cannot lower runs in eager, loudly
             if state.replaced:  # the captured graph reads stand-ins for the transformed parameters
                 raise RuntimeError(f"pipeline: graph {record.graph_id} of a model changed by "
                                    f"{sorted({r.transform.name for r in state.replaced.values()})} could "
                                    f"not be compiled, and cannot run in eager on the original parameters "
                                    f"(they were replaced): {type(e).__name__}: {e}") from e
             record.eager_fallback = f"{type(e).__name__}: {str(e).strip()[:500]}"
-            warnings.warn(f"pipeline: graph {record.graph_id} runs in eager: {record.eager_fallback}")
+            report_fallback(state, f"graph {record.graph_id} runs in eager: {record.eager_fallback}", cause=e)
             return gm.forward
         finally:
             record.seconds["total"] += time.perf_counter() - start
@@ -82,10 +89,12 @@ class PipelineBackend:
         cache = GraphCache.open(gm, example_inputs, state, record)
         wrappers = graph_wrappers(state)  # e.g. model-changing transforms (stage 2) feed their tensors
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
+        verify(trace)
         for executor in state.executors:  # model-level swaps (stage 2), e.g. TE's linears
             prepared, notes = executor.prepare(trace)
             record.fallbacks += notes
             if prepared is not trace:
+                check_built_in(trace, prepared, f"{executor.name}.prepare")
                 trace = record.add_trace(prepared)
         trace = self._run_passes("before_autodiff", trace, record)
         trace = self._grouped_kv_attention(trace, record)
@@ -114,6 +123,8 @@ class PipelineBackend:
         graph: if it raises, the graph compiles without it and the reason is recorded."""
         try:
             grouped = grouped_kv_attention_in(trace)
+            if grouped is not trace:
+                check_built_in(trace, grouped, "grouped_kv_attention")
         except Exception as e:
             record.fallbacks.append(("scaled_dot_product_attention",
                                      f"k/v left repeated: grouped_kv_attention raised {type(e).__name__}: {e}"))
@@ -144,7 +155,8 @@ class PipelineBackend:
                       inputs=lowered_input_specs(gm, captured.inputs, stage),
                       outputs=lowered_output_specs(gm, captured.inputs, stage, meta),
                       provenance=captured.provenance + (Step(f"lower ({stage})"),))
-        record.add_trace(trace)
+        record.add_trace(verify(trace))
+        log.info("%s %s: lowered to %d ATen ops", record.graph_id, stage, len(trace.ops()))
         lowered = trace.fingerprint() if cache is not None else ""
         # Saved activations nothing reads after the backward (AOTAutograd's donated buffers, by
         # position in this graph): the region reading one last may reuse its memory, as Inductor does
@@ -156,13 +168,18 @@ class PipelineBackend:
         start = time.perf_counter()
         execution = dispatch(trace, self.state.executors, stage=stage, graph_id=record.graph_id,
                              first_region_id=sum(len(r.regions) for r in self.state.records),
-                             artifacts=cache.artifacts if cache is not None else None, donated=donated)
+                             artifacts=cache.artifacts if cache is not None else None, donated=donated,
+                             on_fallback=functools.partial(report_fallback, self.state))
         record.seconds["dispatch"] += time.perf_counter() - start
         for region in execution.regions:
             record.seconds["dispatch"] -= region.compile_seconds
             where = "cache load" if region.id in execution.loaded else f"compile:{region.executor}"
             record.seconds[where] += region.compile_seconds
         record.regions += execution.regions
+        for region in execution.regions:
+            if region.fallback_reason and "failed to compile" in region.fallback_reason and region.compiled_as is None:
+                report_fallback(self.state, f"region {region.id} ({record.graph_id} {stage}) runs on "
+                                f"{region.executor}: {region.fallback_reason}")
         record.fallbacks += execution.assignment.fallbacks
         record.decomposed += execution.assignment.decomposed
         executed = record.add_trace(execution.trace)
@@ -185,19 +202,37 @@ def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
     """Runs one pass, checking it returns a new Trace, left its input alone, and recorded itself."""
     before = trace.fingerprint()
     start = time.perf_counter()
-    out = p(trace)
+    try:
+        out = p(trace)
+    except PassError:
+        raise
+    except Exception as e:  # the user's pass is at fault: never a silent run without it
+        raise PassError(f"pass {p.name!r} raised {type(e).__name__} on trace {trace.name!r}: {e}") from e
     seconds = time.perf_counter() - start
-    record.seconds["passes"] += seconds
     if not isinstance(out, Trace):
         raise PassError(f"pass {p.name!r} returned {type(out).__name__}, not a Trace; "
                         f"build the result with trace.derive(gm, by=...)")
     if trace.fingerprint() != before:
         raise PassError(f"pass {p.name!r} changed its input trace {trace.name!r}; passes must edit "
                         f"a copy: gm = trace.editable(), then return trace.derive(gm, by=...)")
+    start_check = time.perf_counter()
+    try:
+        verify(out)
+        check_types(out, before=trace, pass_name=p.name, output_dtypes_may_change=p.output_dtypes_may_change)
+    except TraceError as e:
+        raise PassError(f"pass {p.name!r} returned a trace that does not check: {e}") from None
+    record.seconds["passes"] += seconds
+    record.seconds["verify"] += time.perf_counter() - start_check
     if len(out.provenance) <= len(trace.provenance):
         out = Trace(out.module, name=out.name, level=out.level, inputs=out.inputs, outputs=out.outputs,
                     provenance=out.provenance + (Step(p.name, seconds),))
     return out
+
+
+def check_built_in(before: Trace, after: Trace, step: str) -> None:
+    """The same checks as for a user's pass, for a rewrite the pipeline applies itself."""
+    verify(after)
+    check_types(after, before=before, pass_name=step)
 
 
 def _num_outputs(gm: fx.GraphModule) -> int:

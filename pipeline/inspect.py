@@ -73,7 +73,7 @@ def _fallback_mark(reason) -> str:
     when one of them failed to compile it, "" otherwise."""
     if not reason:
         return ""
-    return " (fallback)" if "failed to compile" in reason else " (declined)"
+    return " (fallback)" if "failed to compile" in reason or "wrong result" in reason else " (declined)"
 
 
 @dataclasses.dataclass
@@ -90,6 +90,7 @@ class CompileStats:
     cache: dict[str, str] = dataclasses.field(default_factory=dict)  # graph id -> hit | miss | off: why
     cache_notes: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (graph id, note)
     cuda_graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # "g0 forward" -> on | off: why
+    fallbacks: list[str] = dataclasses.field(default_factory=list)  # every loud fallback (fallbacks.py)
 
     @property
     def cache_hits(self) -> int:
@@ -102,11 +103,11 @@ class CompileStats:
     def __str__(self) -> str:
         lines = [f"graphs: {self.graphs}   graph breaks: {len(self.graph_breaks)}   "
                  f"recompilations: {self.recompilations}   cache hits: {self.cache_hits}   "
-                 f"misses: {self.cache_misses}",
+                 f"misses: {self.cache_misses}   fallbacks: {len(self.fallbacks)}",
                  "seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items())]
         lines += [f"graph break: {r}" for r in self.graph_breaks]
         lines += [f"recompiled: {r}" for r in self.recompile_reasons]
-        lines += [f"{g} runs in eager: {why}" for g, why in self.eager_fallbacks.items()]
+        lines += [f"fallback: {why}" for why in self.fallbacks]
         lines += [f"{g}: {op} runs on torch: {why}" for g, op, why in self.op_fallbacks]
         lines += [f"region {i}: {why}" for i, why in self.region_fallbacks]
         lines += [f"{g}: cache {status}" for g, status in self.cache.items() if status.startswith("off")]
@@ -139,7 +140,8 @@ def compile_stats(cm) -> CompileStats:
         decomposed=dict(decomposed),
         cache={r.graph_id: r.cache for r in state.records if r.cache},
         cache_notes=[(r.graph_id, n) for r in state.records for n in r.cache_notes],
-        cuda_graphs={f"{r.graph_id} {stage}": v for r in state.records for stage, v in r.cuda_graphs.items()})
+        cuda_graphs={f"{r.graph_id} {stage}": v for r in state.records for stage, v in r.cuda_graphs.items()},
+        fallbacks=list(state.fallbacks))
 
 
 @dataclasses.dataclass

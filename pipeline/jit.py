@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -22,6 +24,7 @@ from transforms.model_transform import ModelTransform
 from . import model_state
 
 from .compiler import PassError, PipelineBackend
+from .fallbacks import MODES, PipelineFallbackError, report_fallback
 from .grad_capture import GradCapture, differentiates_inside
 from .record import GraphRecord
 
@@ -49,11 +52,14 @@ class CompileState:
     generalized: bool = False                # whether a shape change already made inputs dynamic
     cache: bool = True                       # use the compiled-artifact cache (pipeline/cache.py)
     cuda_graphs: bool = False                # record each stage as a CUDA graph (pipeline/cuda_graphs.py)
+    fallback: str = "warn"                   # "warn" | "raise": what a fallback to eager does (fallbacks.py)
+    fallbacks: list[str] = dataclasses.field(default_factory=list)  # every fallback, in order
+    calls: int = 0                           # calls of the jitted model
 
 
 def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transforms: Sequence = (),
         fullgraph: bool = False, dynamic: Optional[bool] = None, cache: bool = True,
-        cuda_graphs: bool = False):
+        cuda_graphs: bool = False, fallback: str = "warn"):
     """Compiles `model_or_fn` (an `nn.Module` or a function).
 
     executors: executor objects from `executors` or their names, by priority; ops nobody claims run
@@ -71,6 +77,10 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         value across steps with `.item()` or `.clone()`. Each input shape compiles and records its
         own graphs (`dynamic` defaults to False). Stages that cannot be recorded run as usual;
         `compile_stats(model).cuda_graphs` says which and why.
+    fallback: "warn" (default): a graph the pipeline cannot lower, a frame Dynamo gives up on, a
+        region whose executor fails or returns a wrong result runs in eager / on the next executor,
+        with a `PipelineFallbackWarning` and a line in `compile_stats(model).fallbacks`; "raise":
+        each of those is a `PipelineFallbackError` instead.
     """
     if not callable(model_or_fn):
         raise TypeError(f"pipeline.jit needs an nn.Module or a function, got {type(model_or_fn).__name__}")
@@ -84,6 +94,8 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"cache must be True or False, got {cache!r}")
     if not isinstance(cuda_graphs, bool):
         raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+    if fallback not in MODES:
+        raise TypeError(f"fallback must be one of {MODES}, got {fallback!r}")
     if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
     if cuda_graphs and dynamic is None:
@@ -92,16 +104,56 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     passes, replaced = _apply_transforms(model_or_fn, list(transforms))
     state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
                          fullgraph=fullgraph, replaced=replaced, dynamic=dynamic, cache=cache,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, fallback=fallback)
     state.call_hooks = [e.before_call for e in resolved if type(e).before_call is not Executor.before_call]
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)
     else:
         runner = torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=fullgraph,
-                               dynamic=dynamic)
+                               dynamic=dynamic, **_own_recompile_budget())
     if isinstance(model_or_fn, torch.nn.Module):
         return JittedModule(model_or_fn, runner, state)
     return JittedFunction(model_or_fn, runner, state)
+
+
+def _own_recompile_budget() -> dict:
+    """Each jit its own Dynamo cache entries and recompile limit. Dynamo keys compiled code on the
+    code object (`Model.forward`, shared by every instance of a class) and guards it on the
+    backend; without this, the 9th jitted instance of one class would hit the recompile limit (8)
+    and run uncompiled. torch 2.11 lacks the option: there the limit is raised by one per jit
+    (`_count_jit`) and a hit limit is still reported (`_DynamoGiveUps`)."""
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return {"isolate_recompiles": True}
+    _count_jit()
+    return {}
+
+
+_jits = 0
+
+
+def _count_jit() -> None:
+    global _jits
+    _jits += 1
+    base = 8
+    if _jits > 1 and torch._dynamo.config.recompile_limit < base + _jits:
+        torch._dynamo.config.recompile_limit = base + _jits
+
+
+class _DynamoGiveUps(logging.Handler):
+    """What Dynamo logs when it stops compiling a frame (its recompile limit, say) while a jitted
+    model is being called: collected so the model's `compile_stats` names it as a fallback."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.calls: list[list[str]] = []  # one list per jitted call in progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.calls:
+            self.calls[-1].append(record.getMessage())
+
+
+_give_ups = _DynamoGiveUps()
+logging.getLogger("torch._dynamo.convert_frame").addHandler(_give_ups)
 
 
 def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], dict]:
@@ -149,8 +201,10 @@ def _call(runner, state: CompileState, args, kwargs):
         # a new step for the CUDA graph trees, which count Dynamo's frame entries; this path has none
         torch._dynamo.mutation_guard.GenerationTracker.generation += 1
     n_records = len(state.records)
+    state.calls += 1
     breaks_before = _raw_break_counts(counters)  # cheap copies; parsed only if this call compiled
     start = time.perf_counter()
+    _give_ups.calls.append([])
     try:
         out = runner(*args, **kwargs)
     except torch._dynamo.exc.Unsupported as e:
@@ -158,9 +212,14 @@ def _call(runner, state: CompileState, args, kwargs):
             raise GraphBreakError(_graph_break_message(e)) from e
         raise
     except torch._dynamo.exc.BackendCompilerFailed as e:
-        if isinstance(e.inner_exception, PassError):  # the user's pass is at fault: say so plainly
+        if isinstance(e.inner_exception, (PassError, PipelineFallbackError)):  # say it plainly
             raise e.inner_exception.with_traceback(None) from None
         raise
+    finally:
+        gave_up = _give_ups.calls.pop()
+    for message in gave_up:
+        report_fallback(state, "Dynamo stopped compiling a frame, which runs in eager: "
+                        + " ".join(message.split("\n")[:3]))
     if len(state.records) != n_records:
         state.generation += 1
         for record in state.records[n_records:]:
@@ -289,7 +348,21 @@ class JittedModule(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(object.__getattribute__(self, "_original"), name)
+            attribute = getattr(object.__getattribute__(self, "_original"), name)
+        if name == "generate" and callable(attribute):  # Hugging Face's decoding loop
+            return self._uncompiled_generate(attribute)
+        return attribute
+
+    def _uncompiled_generate(self, generate):
+        """`generate` calls the original model's forward from inside its own loop, which the
+        pipeline does not capture: it runs uncompiled, and says so."""
+        @functools.wraps(generate)
+        def run(*args, **kwargs):
+            if not any(m.startswith("generate()") for m in self._state.fallbacks):  # once a model
+                report_fallback(self._state, "generate() runs the original model uncompiled (its decoding "
+                                            "loop calls the model's own forward); call the jitted model for compiled steps")
+            return generate(*args, **kwargs)
+        return run
 
     def extra_repr(self) -> str:
         return f"executors={[e.name for e in self._state.executors]}"

@@ -1,5 +1,5 @@
 """Transforms: trace passes (Trace -> Trace), each declaring where in the pipeline it runs."""
-from .base import STAGES, TracePass, as_pass, trace_pass
+from .base import STAGES, TracePass, as_pass, pass_factory, trace_pass
 from .chain import Chain, chain
 from .checkpoint import checkpoint
 from .cpu_offload import cpu_offload
@@ -11,6 +11,6 @@ from .mixed_precision import mixed_precision
 from .model_transform import ModelTransform
 from .quantize import quantize
 
-__all__ = ["TracePass", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload", "group_linears",
+__all__ = ["TracePass", "pass_factory", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload", "group_linears",
            "grouped_kv_attention",
            "ModelTransform", "chain", "Chain", "quantize", "materialize", "Materialize", "fsdp", "FSDP"]

@@ -24,6 +24,7 @@ class TracePass:
     fn: Callable[[Trace], Trace]
     runs_on: str = "after_autodiff"
     name: str = ""
+    output_dtypes_may_change: bool = False  # e.g. mixed precision; shapes and count never may
 
     def __post_init__(self):
         if self.runs_on not in STAGES:
@@ -45,10 +46,34 @@ def trace_pass(fn: Callable | None = None, *, runs_on: str = "after_autodiff", n
     return TracePass(fn, runs_on, name)
 
 
+def pass_factory(fn: Callable) -> Callable:
+    """Marks a function that returns a pass or transform (`mixed_precision`, `fsdp`): listing the
+    function itself in `transforms=[...]` is then an error naming it, not a pass that fails."""
+    fn.makes_pass = True
+    return fn
+
+
+def _check_takes_one_trace(fn: Callable) -> None:
+    import inspect
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin: nothing to check
+        return
+    try:
+        signature.bind(object())
+    except TypeError:
+        raise TypeError(f"transforms: {getattr(fn, '__name__', fn)!r} must take one argument, the "
+                        f"trace (signature {signature})") from None
+
+
 def as_pass(obj) -> TracePass:
     """A `TracePass` for what the user listed in `transforms=[...]`; a bare function runs after autodiff."""
     if isinstance(obj, TracePass):
         return obj
+    if getattr(obj, "makes_pass", False):
+        raise TypeError(f"{obj.__name__} makes a transform: list {obj.__name__}(...) in transforms, "
+                        f"not {obj.__name__} itself")
     if callable(obj):
+        _check_takes_one_trace(obj)
         return TracePass(obj)
     raise TypeError(f"transforms must hold trace passes or functions Trace -> Trace, got {obj!r}")

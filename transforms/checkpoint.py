@@ -22,7 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ir import Trace, is_random, output_ancestors
 
-from .base import TracePass
+from .base import TracePass, pass_factory
 
 aten = torch.ops.aten
 
@@ -40,6 +40,7 @@ def is_expensive(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.overloadpacket in EXPENSIVE
 
 
+@pass_factory
 def checkpoint(policy: Union[str, Callable[[fx.Node], bool]] = "selective") -> TracePass:
     """A joint-graph pass choosing, per forward op, whether its output is saved or recomputed."""
     if policy == "full":

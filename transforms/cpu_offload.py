@@ -14,11 +14,12 @@ import torch.fx as fx
 
 from ir import Trace, fake_like, node_value
 
-from .base import TracePass
+from .base import TracePass, pass_factory
 
 aten = torch.ops.aten
 
 
+@pass_factory
 def cpu_offload(min_bytes: int = 1 << 16) -> TracePass:
     """An after-autodiff pass offloading saved activations of at least `min_bytes` to the CPU."""
     if not isinstance(min_bytes, int) or min_bytes < 0:

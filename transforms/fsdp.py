@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ir import Trace, fake_like, node_value
 
-from .base import TracePass
+from .base import TracePass, pass_factory
 from .model_transform import ModelTransform
 
 
@@ -122,6 +122,7 @@ def regather_in_backward(trace: Trace) -> Trace:
     return trace.derive(gm, by="fsdp.regather_in_backward")
 
 
+@pass_factory
 def fsdp(process_group=None) -> FSDP:
     """Shard every trainable parameter along dim 0 across `process_group` (default: the world)."""
     return FSDP(process_group)

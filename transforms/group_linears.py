@@ -23,11 +23,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ir import Trace, fake_like, node_value
 
-from .base import TracePass
+from .base import TracePass, pass_factory
 
 LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
+@pass_factory
 def group_linears() -> TracePass:
     """The pass (before autodiff). See the module docstring."""
     return TracePass(group_linears_in, runs_on="before_autodiff", name="group_linears")

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from ir import Trace, node_value
 
-from .base import TracePass
+from .base import TracePass, pass_factory
 
 SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 HALF = (torch.bfloat16, torch.float16)
@@ -37,6 +37,7 @@ SIZE_MATH = (operator.mul, operator.floordiv, operator.add, operator.sub)
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
+@pass_factory
 def grouped_kv_attention(devices: Sequence[str] = ("cuda",)) -> TracePass:
     """The pass (before autodiff). See the module docstring."""
     return TracePass(lambda trace: grouped_kv_attention_in(trace, devices), runs_on="before_autodiff",

@@ -22,11 +22,12 @@ import torch
 
 from ir import Trace, node_value
 
-from .base import TracePass
+from .base import TracePass, pass_factory
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
+@pass_factory
 def mixed_precision(dtype: str = "bf16") -> TracePass:
     """A before-autodiff pass computing in `dtype` ("bf16" or "fp16") where autocast would."""
     if dtype not in DTYPES:
@@ -51,7 +52,7 @@ def mixed_precision(dtype: str = "bf16") -> TracePass:
         _propagate_metadata(gm, placeholders)
         return trace.derive(gm, by=name)
 
-    return TracePass(apply, runs_on="before_autodiff", name=name)
+    return TracePass(apply, runs_on="before_autodiff", name=name, output_dtypes_may_change=True)
 
 
 def _propagate_metadata(gm, placeholders) -> None:

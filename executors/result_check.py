@@ -1,0 +1,100 @@
+"""The check of an executor's result against its region's trace, at the region's first call.
+
+An executor that returns a (3, 1) tensor where the trace has (3, 4), a transpose, float64 for
+float32, too few outputs or no tuple at all would otherwise hand a wrong value to the next region or
+to the user. The region's trace says what each output is (fake values: shape, dtype, device,
+layout, strides); the first result is compared with that, and a mismatch sends the region to the
+next executor that claims it (`CompiledRegion`). Later calls are not checked — the same compiled
+code gives results of the same metadata — except under `PIPELINE_DEBUG=1`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from ir import Region, describe_value, node_value
+
+
+class ResultCheck:
+    """What one region's outputs must be, and how to get a replacement when they are not."""
+
+    def __init__(self, source: fx.GraphModule, region: Region,
+                 replace: Optional[Callable[[str], Callable]]):
+        out = list(source.graph.nodes)[-1].args[0]
+        self.expected = [node_value(a) if isinstance(a, fx.Node) else a for a in out]
+        self.region = region
+        self.replace = replace
+        self.every_call = os.environ.get("PIPELINE_DEBUG", "") not in ("", "0")
+        placeholders = [n for n in source.graph.nodes if n.op == "placeholder"]
+        self.donated = [i for i, n in enumerate(placeholders) if n.meta.get("donated")]
+
+    def hold(self, args: list) -> list:
+        """A copy of the argument list to run the region again with; inputs the region may
+        overwrite (donated ones) are cloned, so a second run reads the values the first did."""
+        held = list(args)
+        for i in self.donated:
+            if i < len(held) and isinstance(held[i], torch.Tensor):
+                held[i] = held[i].clone()
+        return held
+
+    def problem(self, out: Any) -> Optional[str]:
+        """None when `out` is what the region's trace says; otherwise what differs."""
+        who = f"{self.region.executor} returned a wrong result for region {self.region.id}"
+        if not isinstance(out, (tuple, list)):
+            return f"{who}: {type(out).__name__}, not a tuple of {len(self.expected)} outputs"
+        if len(out) != len(self.expected):
+            return f"{who}: {len(out)} outputs, its trace has {len(self.expected)}"
+        for i, (want, got) in enumerate(zip(self.expected, out)):
+            why = _difference(want, got)
+            if why:
+                return f"{who}: output {i}: {why}"
+        return None
+
+    def replacement(self, problem: str) -> Callable:
+        """The region compiled by the next executor that claims it (raises if there is none)."""
+        if self.replace is None:
+            raise RuntimeError(problem)
+        return self.replace(problem)
+
+
+def _difference(want, got) -> str:
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"expected {describe_value(want)}, got {type(got).__name__}"
+        for what, w, g in (("dtype", want.dtype, got.dtype), ("device", want.device, got.device),
+                           ("layout", want.layout, got.layout)):
+            if w != g and not (what == "device" and _same_device(w, g)):
+                return f"expected {what} {w}, got {g}"
+        if got.dim() != want.dim() or any(isinstance(w, int) and w != g for w, g in zip(want.shape, got.shape)):
+            return f"expected shape {_sizes(want.shape)}, got {tuple(got.shape)}"
+        if want.layout == torch.strided and not _strides_agree(want, got):
+            return f"expected strides {_sizes(want.stride())}, got {got.stride()} (shape {tuple(got.shape)})"
+        return ""
+    if isinstance(want, (torch.SymInt, int)) and not isinstance(want, bool):
+        ok = isinstance(got, (int, torch.SymInt)) and not isinstance(got, bool)
+        if ok and isinstance(want, int) and got != want:
+            return f"expected {want}, got {got}"
+        return "" if ok else f"expected an int, got {type(got).__name__}"
+    if want is None and got is not None:
+        return f"expected None, got {type(got).__name__}"
+    return ""
+
+
+def _same_device(want: torch.device, got: torch.device) -> bool:
+    """cuda and cuda:0 name the same device when the trace leaves the index out."""
+    return want.type == got.type and (want.index is None or got.index is None)
+
+
+def _strides_agree(want: torch.Tensor, got: torch.Tensor) -> bool:
+    """Strides the trace fixes (static ones, of dims with more than one element) are the result's."""
+    for size, w, g in zip(want.shape, want.stride(), got.stride()):
+        if isinstance(size, int) and size > 1 and isinstance(w, int) and w != g:
+            return False
+    return True
+
+
+def _sizes(values) -> tuple:
+    return tuple(int(v) if isinstance(v, int) else str(v) for v in values)

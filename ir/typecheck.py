@@ -1,0 +1,212 @@
+"""Type checking of traces: each node's value re-derived with fake tensors and compared with the
+metadata the trace claims (shape, dtype, device, layout, strides), as JAX's `check_jaxpr`
+re-derives every equation; and a pass's outputs compared with the outputs of the trace it was given.
+
+The pipeline runs this on the output of every trace pass and built-in rewrite, re-deriving only the
+nodes the pass created or changed (the rest were checked when they were made), so it costs little
+even on large graphs; `check_types(trace)` without `before` re-derives every node.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from .trace import Trace, node_value
+from .verify import TraceError
+
+# nodes that change global state the nodes after them run under (autocast, grad mode): always run,
+# so a re-derived node sees the state it will run in
+_STATEFUL = {torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast,
+             torch._C._set_grad_enabled}
+
+
+def check_types(trace: Trace, *, before: Optional[Trace] = None, pass_name: str = "",
+                output_dtypes_may_change: bool = False) -> None:
+    """Raises `TraceError` naming the node, its neighbours and what differs when a node's metadata is
+    not what its op computes; with `before` (the trace a pass was given), only nodes new or changed
+    since `before` are re-derived, and the outputs must keep `before`'s count, shapes and dtypes
+    (dtypes unless `output_dtypes_may_change`, for passes such as mixed precision)."""
+    who = f"pass {pass_name!r}" if pass_name else f"trace {trace.name!r}"
+    if before is not None:
+        _check_outputs(before, trace, who, output_dtypes_may_change)
+    known = _node_keys(before) if before is not None else set()
+    env: dict[fx.Node, Any] = {}
+    mode = _fake_mode(trace)
+    for node in trace.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            env[node] = node_value(node)
+            continue
+        claimed = node_value(node)
+        if node.target in _STATEFUL:
+            _run(node, env, mode)
+            env[node] = claimed
+            continue
+        if _key(node) in known or not _derivable(node, claimed):
+            env[node] = claimed
+            continue
+        try:
+            derived = _run(node, env, mode)
+        except Exception as e:
+            raise TraceError(f"{who}: node {node.name!r} cannot be computed from its inputs: "
+                             f"{type(e).__name__}: {str(e).strip()[:300]}\n{_context(node)}") from e
+        problem = _difference(claimed, derived)
+        if problem:
+            raise TraceError(f"{who}: node {node.name!r} claims {problem}\n{_context(node)}")
+        env[node] = claimed
+
+
+def _check_outputs(before: Trace, after: Trace, who: str, dtypes_may_change: bool) -> None:
+    old, new = before.output_values(), after.output_values()
+    if len(old) != len(new):
+        raise TraceError(f"{who}: trace {after.name!r} has {len(new)} outputs, its input trace had "
+                         f"{len(old)}; a pass must keep every output (AOTAutograd and the caller "
+                         f"read them by position)")
+    for i, (a, b) in enumerate(zip(old, new)):
+        va = node_value(a) if isinstance(a, fx.Node) else a
+        vb = node_value(b) if isinstance(b, fx.Node) else b
+        if not isinstance(va, torch.Tensor):
+            continue
+        if not isinstance(vb, torch.Tensor):
+            raise TraceError(f"{who}: output {i} was a tensor and is now {type(vb).__name__}")
+        if not _same_shape(va.shape, vb.shape):
+            raise TraceError(f"{who}: output {i} changed shape from {tuple(va.shape)} to "
+                             f"{tuple(vb.shape)} (node {getattr(b, 'name', b)!r})")
+        if va.dtype != vb.dtype and not dtypes_may_change:
+            raise TraceError(f"{who}: output {i} changed dtype from {va.dtype} to {vb.dtype} (node "
+                             f"{getattr(b, 'name', b)!r}); a pass that changes output dtypes on "
+                             f"purpose declares it: TracePass(..., output_dtypes_may_change=True)")
+
+
+def _node_keys(trace: Trace) -> set:
+    return {_key(n) for n in trace.graph.nodes}
+
+
+def _key(node: fx.Node):
+    """What a node is: its op, target, arguments (by name) and the identity of its metadata; a
+    node with the same key in the pass's input trace was checked already. Fake values are shared,
+    never copied, by `Trace.editable`, so their identity says the metadata is unchanged."""
+    args = fx.node.map_arg((node.args, node.kwargs), lambda n: ("%", n.name))
+    try:
+        hash(args)
+    except TypeError:
+        args = repr(args)
+    return node.name, node.op, node.target, args, id(node_value(node))
+
+
+def _derivable(node: fx.Node, claimed) -> bool:
+    """Ops re-run on fake values: not higher-order ops (their bodies are submodules), in-place
+    ops (running one again would change the fake input it shares with another node), calls of
+    submodules, or values with data-dependent sizes (each run makes new symbols)."""
+    target = node.target
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return False
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        return False
+    if node.op == "call_method" and str(target).endswith("_"):
+        return False
+    if isinstance(target, str) and node.op == "call_function":
+        return False
+    return not _has_unbacked(claimed)
+
+
+def _run(node: fx.Node, env: dict, mode):
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+    ctx = mode if mode is not None else _NoMode()
+    with ctx:
+        if node.op == "call_method":
+            self_arg, *rest = args
+            return getattr(self_arg, node.target)(*rest, **kwargs)
+        return node.target(*args, **kwargs)
+
+
+class _NoMode:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fake_mode(trace: Trace):
+    from torch._guards import detect_fake_mode
+    values = [node_value(n) for n in trace.placeholders()]
+    try:
+        return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    except AssertionError:  # several fake modes: leave it to each node's inputs
+        return None
+
+
+def _difference(claimed, derived) -> str:
+    """'' when `claimed` describes `derived`, else what differs."""
+    if isinstance(claimed, (tuple, list)) and isinstance(derived, (tuple, list)):
+        if len(claimed) != len(derived):
+            return f"{len(claimed)} values but its op returns {len(derived)}"
+        for i, (c, d) in enumerate(zip(claimed, derived)):
+            problem = _difference(c, d)
+            if problem:
+                return f"[{i}] {problem}"
+        return ""
+    if isinstance(claimed, torch.Tensor) != isinstance(derived, torch.Tensor):
+        if claimed is None:
+            return ""  # no metadata claimed (the structural verifier reports values others use)
+        return f"a {type(claimed).__name__} but its op returns a {type(derived).__name__}"
+    if not isinstance(claimed, torch.Tensor):
+        return ""
+    for what, c, d in (("dtype", claimed.dtype, derived.dtype), ("device", claimed.device, derived.device),
+                       ("layout", claimed.layout, derived.layout)):
+        if c != d:
+            return f"{what} {c} but its op computes {d}"
+    if not _same_shape(claimed.shape, derived.shape):
+        return f"shape {tuple(claimed.shape)} but its op computes {tuple(derived.shape)}"
+    if claimed.layout == torch.strided and not _same_strides(claimed, derived):
+        return f"strides {tuple(claimed.stride())} but its op computes {tuple(derived.stride())}"
+    return ""
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
+
+
+def _same_size(x, y) -> bool:
+    """Equal sizes, symbolic ones compared without adding guards."""
+    if isinstance(x, int) and isinstance(y, int):
+        return x == y
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    try:
+        return bool(statically_known_true(x == y)) or str(x) == str(y)
+    except Exception:
+        return str(x) == str(y)
+
+
+def _same_strides(claimed: torch.Tensor, derived: torch.Tensor) -> bool:
+    """Strides agree in every dim of more than one element (a size-1 dim's stride is arbitrary)."""
+    for size, c, d in zip(claimed.shape, claimed.stride(), derived.stride()):
+        if isinstance(size, int) and size <= 1:
+            continue
+        if not _same_size(c, d):
+            return False
+    return True
+
+
+def _has_unbacked(value) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    try:
+        return bool(free_unbacked_symbols(value))
+    except Exception:
+        return False
+
+
+def _context(node: fx.Node, around: int = 3) -> str:
+    """The node and a few nodes either side, as fx prints them."""
+    nodes = list(node.graph.nodes)
+    i = nodes.index(node)
+    lines = []
+    for n in nodes[max(0, i - around): i + around + 1]:
+        mark = ">>" if n is node else "  "
+        lines.append(f"  {mark} {n.format_node()}")
+    return "\n".join(lines)
+

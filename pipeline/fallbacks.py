@@ -1,0 +1,31 @@
+"""Loud fallbacks: every time part of a model runs otherwise than compiled as asked — a graph in
+eager, a frame Dynamo gave up on, a region on another executor than its own because that one failed
+or returned a wrong result — the pipeline says so the same way: one `PipelineFallbackWarning`, a
+line in `compile_stats(cm).fallbacks`, and the log; with `jit(..., fallback="raise")` it is a
+`PipelineFallbackError` instead.
+
+Why not raise by default, as torch.compile does for backend errors? A model that trains in eager
+should still train when one of its graphs uses something no executor handles yet; the warning and
+the stats say where, and tests (and careful users) pass `fallback="raise"`.
+"""
+from __future__ import annotations
+
+import warnings
+
+from ir import PipelineFallbackWarning, get_logger
+
+MODES = ("warn", "raise")
+log = get_logger("fallback")
+
+
+class PipelineFallbackError(RuntimeError):
+    """`fallback="raise"` and part of the model would have run uncompiled; names what and why."""
+
+
+def report_fallback(state, message: str, cause: BaseException | None = None) -> None:
+    """Counts, logs and warns about one fallback (or raises, under `fallback="raise"`)."""
+    state.fallbacks.append(message)
+    log.info("fallback: %s", message)
+    if state.fallback == "raise":
+        raise PipelineFallbackError(f"pipeline (fallback='raise'): {message}") from cause
+    warnings.warn(f"pipeline: {message}", PipelineFallbackWarning, stacklevel=2)
