@@ -9,18 +9,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
 import os
 import pickle
 import shutil
+import stat
 import sys
+import tempfile
 import types
 from typing import Sequence
 
 import torch
 import torch.fx as fx
 
-from .base import (Executor, RegionDeclined, computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,
-                   meta_strides_unreliable, op_name, promised_strides)
+from .base import (Executor, RegionDeclined, artifact_files_dir, computes_nothing, donated_inputs, is_symbolic_glue,
+                   keep_promised_strides, meta_strides_unreliable, op_name, promised_strides)
 from .decompose import NotDecomposable, decompose_graph
 
 
@@ -89,7 +92,7 @@ class InductorExecutor(Executor):
         # No CUDA graphs of its own: `cuda_graphs=True` records whole stages, regions inside them.
         with config.patch({"fallback_random": self.fallback_random, "layout_optimization": False,
                            "triton.cudagraphs": False}), \
-                _donating(decomposed, donated):
+                _donating(decomposed, donated), _kernel_dir(_own_dir()):
             compiled = compile_fx_inner(decomposed, list(example_inputs), is_backward=bool(donated))
         return InductorRegion(compiled, gm)
 
@@ -99,7 +102,7 @@ class InductorExecutor(Executor):
         # Global flags Inductor bakes into kernels, as its own FX graph cache keys them: deterministic
         # mode (no atomic adds in index_put, say) and the matmul precision settings.
         matmul = torch.backends.cuda.matmul
-        return (f"inductor fallback_random={self.fallback_random} config={config.get_hash().hex()} "
+        return (f"inductor fallback_random={self.fallback_random} config={_portable_config_hash(config.get_hash())} "
                 f"deterministic={torch.are_deterministic_algorithms_enabled()} "
                 f"matmul={torch.get_float32_matmul_precision()},{matmul.allow_tf32},"
                 f"{matmul.allow_fp16_reduced_precision_reduction},{matmul.allow_bf16_reduced_precision_reduction} "
@@ -119,26 +122,29 @@ class InductorExecutor(Executor):
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         stored = copy.copy(fn.compiled)
         stored.prepare_for_serialization()
-        root = cache_dir()
-        files = {os.path.relpath(p, root): _read(p) for p in _kernel_libraries(fn.compiled)
-                 if os.path.abspath(p).startswith(root + os.sep)}
+        with _kernel_dir(_own_dir()):
+            root = cache_dir()
+            files = {os.path.relpath(p, root): _read(p) for p in _kernel_libraries(fn.compiled)
+                     if os.path.abspath(p).startswith(root + os.sep)}
         return pickle.dumps({"graph": pickle.dumps(stored), "files": files})
 
     def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
-        from torch._inductor.codecache import write_atomic
+        """Inductor's cache dir is the pipeline cache's own (`artifact_files_dir`, 0700) while the
+        region loads: the wrapper module and the kernel libraries it loads are ours, each library
+        checked against the bytes in the (authenticated) artifact and rewritten if it differs."""
         from torch._inductor.output_code import CompiledFxGraphConstants
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
         from torch._inductor.utils import BoxedBool
 
+        own = artifact_files_dir("inductor")
+        if own is None:
+            raise RuntimeError("no private directory for Inductor's kernels (the pipeline cache is off)")
         stored = pickle.loads(data)
-        root = cache_dir()
         for rel, content in stored["files"].items():
-            path = os.path.join(root, rel)
-            if not os.path.exists(path):
-                write_atomic(path, content, make_dirs=True)
+            _put_verified(own, rel, content)
         compiled = pickle.loads(stored["graph"])
         constants = CompiledFxGraphConstants()
-        compiled.after_deserialization(constants)   # imports the wrapper module, loads the kernels
+        with _kernel_dir(own):
+            compiled.after_deserialization(constants)   # imports the wrapper module, loads the kernels
         compiled.post_compile(list(example_inputs), constants,
                               {"cudagraphs": BoxedBool(False), "is_backward": False, "is_inference": False})
         return InductorRegion(compiled, gm)
@@ -220,6 +226,95 @@ def _isa_probe_libraries() -> set[str]:
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+def _own_dir() -> str | None:
+    """The pipeline cache's directory for Inductor's files, or None (cache off, or unusable: then
+    Inductor compiles into its own cache dir, as under torch.compile)."""
+    try:
+        return artifact_files_dir("inductor")
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _kernel_dir(path: str | None):
+    """Inductor's cache dir (which it reads from `TORCHINDUCTOR_CACHE_DIR` at every use, and hands to
+    its compile workers) set to `path` for the duration; nothing changes when `path` is None."""
+    if path is None:
+        yield
+        return
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def _put_verified(root: str, rel: str, content: bytes) -> None:
+    """`content` at `root/rel`: a file already there is kept only if its bytes hash the same (a
+    library is loaded from that path next); otherwise written (0600) in place atomically."""
+    path = os.path.normpath(os.path.join(root, rel))
+    if not path.startswith(root + os.sep):
+        raise ValueError(f"artifact file {rel!r} lies outside the kernel directory")
+    want = hashlib.sha256(content).hexdigest()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if stat.S_ISREG(os.fstat(f.fileno()).st_mode) and hashlib.sha256(f.read()).hexdigest() == want:
+                return
+    except OSError:
+        pass
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+        os.chmod(tmp, 0o700 if path.endswith(".so") else 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+@functools.lru_cache(maxsize=8)
+def _portable_config_hash(config_hash: bytes) -> str:
+    """A hash of Inductor's config as its FX graph cache keys it (`save_config_portable`: without
+    the values that name this process's situation rather than what is compiled — compile_threads,
+    decided lazily on first use; cutlass dirs, relative to the working dir; the worker start
+    method), which `config.get_hash()` includes. Memoized on that hash, which changes with any option."""
+    from torch._inductor import config
+    try:
+        values = config.save_config_portable(ignore_private_configs=False)
+    except (AttributeError, TypeError):  # a torch without it
+        values = config.get_config_copy()
+        for prefix in getattr(config, "_cache_config_ignore_prefix", ()):
+            values = {k: v for k, v in values.items() if not k.startswith(prefix)}
+    text = "\n".join(f"{k}={_stable_text(v)}" for k, v in sorted(values.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _stable_text(value) -> str:
+    """`value` as the same text in every process: sets sorted, functions by name, custom passes by
+    their `uuid()`. An object whose text is its address gets a text unique to this process (its
+    regions are then never loaded in another one)."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_stable_text(v) for v in value)) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_stable_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_stable_text(k)}: {_stable_text(v)}" for k, v in sorted(value.items(), key=repr)) + "}"
+    if callable(getattr(value, "uuid", None)):
+        return f"uuid {value.uuid()}"
+    if hasattr(value, "__qualname__") and hasattr(value, "__module__"):
+        return f"{value.__module__}.{value.__qualname__}"
+    text = repr(value)
+    return f"{text} pid {os.getpid()}" if " at 0x" in text else text
 
 
 @functools.cache

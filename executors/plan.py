@@ -96,10 +96,12 @@ class CompiledRegion(torch.nn.Module):
 @dataclasses.dataclass
 class RegionArtifact:
     """What the compiled-artifact cache keeps of one compiled region: which executor compiled it
-    (after any fallbacks, and why), and that executor's bytes to rebuild it (`Executor.load_region`)."""
+    (after any fallbacks, and why), that executor's bytes to rebuild it (`Executor.load_region`), and
+    the `structure_key` of the region graph it was compiled from: it is loaded only for that graph."""
     executor: str
     data: bytes
     fallback_reason: Optional[str] = None
+    structure: str = ""
 
 
 @dataclasses.dataclass
@@ -239,8 +241,15 @@ def _load_cached(artifact: Optional[RegionArtifact], source, region: Region, by_
     """The region rebuilt from its cached artifact, or None (not cached, or it would not load)."""
     if artifact is None or artifact.executor not in by_name:
         return None
-    example_inputs = [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
     start = time.perf_counter()
+    if artifact.structure != structure_key(source):  # another region's code: never run it here
+        import warnings
+        from ir import PipelineWarning
+        warnings.warn(f"pipeline cache: region {region.id}: the cached {artifact.executor} artifact was "
+                      f"compiled from another region graph; not loaded, compiling it", PipelineWarning)
+        notes.append(f"region {region.id}: cached artifact belongs to another region graph; compiled")
+        return None
+    example_inputs = [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
     try:
         with _isolated(example_inputs):
             fn = by_name[artifact.executor].load_region(artifact.data, source, example_inputs)
@@ -259,7 +268,8 @@ def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, 
     reason = ex.artifact_unsupported_reason(source, example_inputs)
     if reason is None:
         try:
-            artifacts[key] = RegionArtifact(ex.name, ex.save_region(fn), region.fallback_reason)
+            artifacts[key] = RegionArtifact(ex.name, ex.save_region(fn), region.fallback_reason,
+                                            structure_key(source))
             return
         except Exception as e:  # not storable: the region still runs, it is compiled next time
             reason = f"{ex.name} could not save it: {type(e).__name__}: {str(e).strip()[:200]}"

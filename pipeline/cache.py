@@ -24,18 +24,23 @@ import hashlib
 import inspect
 import os
 import pickle
+import stat
 import sys
-import tempfile
 import time
 import warnings
 from typing import Optional
 
 import torch
 
+from executors.base import set_artifact_files_root
 from executors.plan import RegionArtifact, tensor_digest, value_signature
+from ir import PipelineWarning, get_logger
 
-FORMAT = 1
-MAGIC = b"fxpipeline-cache 1\n"
+from . import cache_files
+
+FORMAT = 2
+MAGIC = b"fxpipeline-cache 2 hmac-sha256\n"
+log = get_logger("cache")
 
 
 class Uncacheable(Exception):
@@ -157,104 +162,160 @@ def _cell_filled(cell) -> bool:
 
 
 # -- entries on disk ------------------------------------------------------------------------------
+_roots: dict[str, object] = {}  # cache root -> its HMAC key (bytes), or why it is not trusted (str)
+
+
+def trusted_key(root: str) -> bytes:
+    """The HMAC key of the cache at `root`, checking the root once per process (see cache_files).
+    Raises `Untrusted` (the first time with one warning): the cache is then off for the process."""
+    verdict = _roots.get(root)
+    if verdict is None:
+        try:
+            cache_files.check_parents(root)
+            verdict = cache_files.secret(cache_files.private_dir(root, "cache root"))
+            set_artifact_files_root(cache_files.private_dir(os.path.join(root, "executors")))
+        except cache_files.Untrusted as e:
+            refuse(root, str(e))
+            verdict = _roots[root]
+        except OSError as e:  # cannot make the root (a read-only home, say): off, said once
+            refuse(root, f"cache root {root} cannot be used ({type(e).__name__}: {e})")
+            verdict = _roots[root]
+        _roots[root] = verdict
+    if isinstance(verdict, str):
+        raise cache_files.Untrusted(verdict)
+    return verdict
+
+
+def refuse(root: str, why: str) -> None:
+    """Turns the cache at `root` off for this process, with one warning saying why and how to fix it."""
+    if isinstance(_roots.get(root), str):
+        return
+    _roots[root] = why
+    set_artifact_files_root(None)
+    warnings.warn(f"pipeline cache: off for this process: {why}", PipelineWarning, stacklevel=2)
+
+
 def entry_path(key: str) -> str:
     return os.path.join(cache_root(), key[:2], f"{key}.entry")
 
 
 def read_entry(key: str) -> Optional[dict]:
-    """The entry stored under `key`, or None (absent, or corrupt: then one warning)."""
+    """The entry stored under `key`, or None (absent; or not readable, not authentic, stale: then
+    one warning, and the recompiled entry replaces it). Raises `Untrusted` when a path in the way
+    is not this user's alone (then the caller turns the cache off)."""
+    root = cache_root()
+    secret = trusted_key(root)
     path = entry_path(key)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        folder = os.lstat(os.path.dirname(path))
     except FileNotFoundError:
         return None
-    header_len = len(MAGIC) + 65
-    digest, payload = data[len(MAGIC):header_len - 1], data[header_len:]
-    if not data.startswith(MAGIC) or len(data) < header_len or \
-            hashlib.sha256(payload).hexdigest().encode() != digest:
-        warnings.warn(f"pipeline cache: entry {path} is corrupt or truncated (checksum mismatch); "
-                      f"recompiling and replacing it")
+    if not stat.S_ISDIR(folder.st_mode):
+        raise cache_files.Untrusted(f"cache directory {os.path.dirname(path)} is not a directory; remove it")
+    cache_files.check_owned(os.path.dirname(path), folder, "cache directory")
+    try:
+        payload = cache_files.unseal(secret, key, cache_files.read_file(path), MAGIC)
+    except FileNotFoundError:
+        return None
+    except cache_files.Skipped as e:
+        warnings.warn(f"pipeline cache: {e}: not read; recompiling and replacing it", PipelineWarning)
+        return None
+    if payload is None:
+        warnings.warn(f"pipeline cache: entry {path} is not authentic (HMAC mismatch: corrupt, truncated, "
+                      f"or not written by you); not read; recompiling and replacing it",
+                      PipelineWarning)
         return None
     try:
-        entry = pickle.loads(payload)
+        entry = pickle.loads(payload)  # authentic: written by this user's pipeline
     except Exception as e:  # the right bytes that no longer unpickle (e.g. a renamed class)
-        warnings.warn(f"pipeline cache: entry {path} could not be read ({type(e).__name__}: {e}); recompiling")
+        warnings.warn(f"pipeline cache: entry {path} could not be read ({type(e).__name__}: {e}); recompiling",
+                      PipelineWarning)
         return None
     return entry if isinstance(entry, dict) and entry.get("format") == FORMAT else None
 
 
 def write_entry(key: str, entry: dict) -> None:
-    """Writes atomically: a temporary file in the same folder, then `os.replace`."""
+    """Writes atomically (a 0600 temporary file in the same 0700 folder, then `os.replace`), sealed
+    with this user's key."""
+    root = cache_root()
+    secret = trusted_key(root)
     path = entry_path(key)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    cache_files.private_dir(os.path.dirname(path))
     payload = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".entry")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    cache_files.write_file(path, cache_files.seal(secret, key, payload, MAGIC))
 
 
 # -- one graph's entry while it compiles ----------------------------------------------------------
 class GraphCache:
     """The cache entry of one captured graph while the pipeline compiles it: region artifacts for
     dispatch to load and fill, and what each stage made. Status goes to the graph's record:
-    `record.cache` is "hit" (every region loaded), "miss", or "off: <why>"."""
+    `record.cache` is "hit" (every region loaded), "miss", or "off: <why>". The cache's own work
+    (key, reading, checking, writing) is timed in `record.seconds["cache"]`."""
 
-    def __init__(self, key: str, record):
-        self.key, self.record = key, record
-        start = time.perf_counter()
-        self.stored = read_entry(key)
-        record.seconds["cache load"] += time.perf_counter() - start
+    def __init__(self, key: str, record, stored: Optional[dict]):
+        self.key, self.record, self.stored = key, record, stored
         self.entry = {"format": FORMAT, "stages": {}, "wrappers": None,
-                      "artifacts": dict(self.stored["artifacts"]) if self.stored else {}}
-        record.cache = "hit" if self.stored else "miss"
+                      "artifacts": dict(stored["artifacts"]) if stored else {}}
+        self.wrapped = False  # the wrappers are known: the entry is complete, and written
+        record.cache = "hit" if stored else "miss"
+        log.info("%s: cache %s (entry %s)", record.graph_id, record.cache, key[:16])
 
     @classmethod
     def open(cls, gm, example_inputs, state, record) -> Optional["GraphCache"]:
-        reason = disabled_reason(state.cache)
-        if reason is None:
-            try:
-                return cls(graph_key(gm, example_inputs, state), record)
-            except Uncacheable as e:
-                reason = str(e)
-            except Exception as e:  # the cache must never stop a compile
-                reason = f"no key ({type(e).__name__}: {e})"
-        record.cache = f"off: {reason}"
-        return None
+        start = time.perf_counter()
+        try:
+            reason = disabled_reason(state.cache)
+            if reason is None:
+                try:
+                    trusted_key(cache_root())
+                    key = graph_key(gm, example_inputs, state)
+                    return cls(key, record, read_entry(key))
+                except cache_files.Untrusted as e:
+                    refuse(cache_root(), str(e))
+                    reason = f"untrusted: {e}"
+                except Uncacheable as e:
+                    reason = str(e)
+                except Exception as e:  # the cache must never stop a compile
+                    reason = f"no key ({type(e).__name__}: {e})"
+            record.cache = f"off: {reason}"
+            log.info("%s: cache off: %s", record.graph_id, reason)
+            return None
+        finally:
+            record.seconds["cache"] += time.perf_counter() - start
 
     @property
     def artifacts(self) -> dict[str, RegionArtifact]:
         return self.entry["artifacts"]
 
     def wrappers_done(self, metadata: list) -> None:
-        """Records the runtime wrappers' metadata; a hit whose wrappers differ is a miss."""
+        """Records the runtime wrappers' metadata (known once every stage AOTAutograd compiles
+        eagerly is done); a hit whose wrappers differ is a miss. Writes the entry."""
         if self.stored is not None and self.stored.get("wrappers") not in (None, metadata):
             self._miss("runtime wrappers differ from the cached ones")
         self.entry["wrappers"] = metadata
+        self.wrapped = True
         self._save()
 
     def stage_done(self, stage: str, lowered_fingerprint: str, execution, executed) -> None:
-        """After a stage's dispatch: checks it against the stored entry and saves the entry."""
+        """After a stage's dispatch: checks it against the stored entry; a stage compiled after
+        the wrappers (a lazily compiled backward) writes the entry again."""
+        start = time.perf_counter()
         before = (self.stored or {}).get("stages", {}).get(stage)
         if before is not None and before["lowered"] != lowered_fingerprint:
             self._miss(f"the lowered {stage} trace differs from the cached one")
         elif len(execution.loaded) < len(execution.regions):
             self._miss(f"{len(execution.regions) - len(execution.loaded)} {stage} region(s) compiled")
         self.record.cache_notes += execution.uncached
-        self.entry["stages"][stage] = {"lowered": lowered_fingerprint, "trace": str(executed),
-                                       "regions": list(execution.regions)}
-        self._save()
+        self.entry["stages"][stage] = {"lowered": lowered_fingerprint, "regions": list(execution.regions)}
+        self.record.seconds["cache"] += time.perf_counter() - start
+        if self.wrapped:
+            self._save()
 
     def _miss(self, why: str) -> None:
         if self.record.cache == "hit" or self.record.cache == "miss":
             self.record.cache = "miss"
         self.record.cache_notes.append(why)
+        log.info("%s: cache miss: %s", self.record.graph_id, why)
 
     def _save(self) -> None:
         if self.record.cache == "hit" and self.stored is not None and \
@@ -263,6 +324,11 @@ class GraphCache:
         start = time.perf_counter()
         try:
             write_entry(self.key, self.entry)
+            log.info("%s: cache entry %s stored (%s)", self.record.graph_id, self.key[:16],
+                     ", ".join(self.entry["stages"]))
+        except cache_files.Untrusted as e:
+            refuse(cache_root(), str(e))
+            self.record.cache_notes.append(f"entry not written: {e}")
         except Exception as e:  # a full disk or a read-only cache dir: compile on, uncached
             self.record.cache_notes.append(f"entry not written: {type(e).__name__}: {e}")
-        self.record.seconds["cache save"] += time.perf_counter() - start
+        self.record.seconds["cache"] += time.perf_counter() - start

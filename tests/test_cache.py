@@ -72,7 +72,8 @@ def test_corrupt_entry_recompiles_with_one_warning(mlp, damage):
         warnings.simplefilter("always")
         cm, out1, grads1 = compile_and_step(mlp, x)
     assert [str(w.message) for w in caught if "pipeline cache" in str(w.message)] == \
-        [f"pipeline cache: entry {path} is corrupt or truncated (checksum mismatch); recompiling and replacing it"]
+        [f"pipeline cache: entry {path} is not authentic (HMAC mismatch: corrupt, truncated, or not written by "
+         f"you); not read; recompiling and replacing it"]
     assert pipeline.compile_stats(cm).cache == {"g0": "miss"}
     assert torch.equal(out0, out1)
     assert_identical(grads0, grads1)

@@ -1,0 +1,175 @@
+"""The cache's files, trusted only when this user wrote them (as ssh trusts `~/.ssh`).
+
+A cached entry is unpickled, and an Inductor artifact loads shared libraries: whoever can write the
+cache directory runs code in every process that reads it. So before anything is read:
+- the cache root and each directory we use under it must be ours, and not writable by group or
+  others (`Untrusted` otherwise: the caller turns the cache off with one warning saying how to fix it);
+  its parent directories must not be writable by others unless sticky (`/tmp`);
+- an entry is opened with `O_NOFOLLOW | O_NONBLOCK` (no links followed, a FIFO never blocks), must be
+  a regular file of ours, not group/other-writable, at most `MAX_ENTRY_BYTES`;
+- its payload carries an HMAC-SHA256 under a per-user secret kept in the root (0600, never readable
+  by others), checked before the payload is handed on to be unpickled.
+New directories are made 0700 and files 0600; a write goes to a temporary file, then `os.replace`.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import tempfile
+from typing import Optional
+
+MAX_ENTRY_BYTES = 1 << 30
+SECRET_NAME = "secret.key"
+
+
+class Untrusted(Exception):
+    """A cache path someone else could have written; the message names it and the fix."""
+
+
+class Skipped(Exception):
+    """An entry path holding something that is not read (a link, a FIFO, an oversized or
+    unauthentic file); the message says which. The entry is recompiled and replaced."""
+
+
+def check_owned(path: str, st: os.stat_result, what: str, private: bool = False) -> None:
+    """Raises `Untrusted` unless `st` (of `path`) is owned by this user and not group/other-writable
+    (nor group/other-readable when `private`)."""
+    uid = os.getuid()
+    if st.st_uid != uid:
+        raise Untrusted(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {uid}); "
+                        f"remove it, or point PIPELINE_CACHE_DIR at a directory of your own")
+    bad = 0o077 if private else 0o022
+    if st.st_mode & bad:
+        mode = "0600" if private else ("0700" if stat.S_ISDIR(st.st_mode) else "0600")
+        raise Untrusted(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: group or others can "
+                        f"{'read or write' if private else 'write'} it; run `chmod {mode} {path}`")
+
+
+def private_dir(path: str, what: str = "cache directory") -> str:
+    """`path` as a directory only this user can write: made 0700 if absent (parents too), checked
+    otherwise (no symlink, ours, not group/other-writable). Raises `Untrusted`."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        return private_dir(path, what)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise Untrusted(f"{what} {path} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}; "
+                        f"remove it, or point PIPELINE_CACHE_DIR at a directory of your own")
+    check_owned(path, st, what)
+    return path
+
+
+def check_parents(path: str) -> None:
+    """Raises `Untrusted` when a directory above `path` lets others replace what is in it
+    (writable by group or others, without the sticky bit that `/tmp` has)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while True:
+        st = os.stat(parent)
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX and st.st_uid != os.getuid():
+            raise Untrusted(f"directory {parent} above the cache is writable by group or others, who could "
+                            f"replace the cache in it; run `chmod go-w {parent}` or move PIPELINE_CACHE_DIR")
+        if parent == os.path.dirname(parent):
+            return
+        parent = os.path.dirname(parent)
+
+
+def secret(root: str) -> bytes:
+    """This user's HMAC key, `<root>/secret.key`: 32 random bytes, made on first use (written in
+    full to a temporary file, then linked into place, so a racing process reads the winner's)."""
+    path = os.path.join(root, SECRET_NAME)
+    for _ in range(2):
+        try:
+            data = read_file(path, "cache key", private=True, limit=4096)
+            if len(data) != 32:
+                raise Untrusted(f"cache key {path} is not a key this pipeline made ({len(data)} bytes); remove it")
+            return data
+        except FileNotFoundError:
+            pass
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-", suffix=".key")
+        try:
+            os.write(fd, secrets.token_bytes(32))
+            os.fsync(fd)
+            os.close(fd)
+            try:
+                os.link(tmp, path)  # fails if another process made it first: then theirs is read
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    raise Untrusted(f"cache key {path} could not be made")  # pragma: no cover - removed while we ran
+
+
+def read_file(path: str, what: str = "entry", *, private: bool = False, limit: int = MAX_ENTRY_BYTES) -> bytes:
+    """The bytes of the regular file `path`, opened without following a link or blocking on a FIFO,
+    its size checked before it is read. Raises FileNotFoundError, `Skipped` (a link, not a regular
+    file, too large) or `Untrusted` (not ours, writable by others)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        if os.path.islink(path):
+            raise Skipped(f"{what} {path} is a symbolic link") from None
+        raise Skipped(f"{what} {path} could not be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Skipped(f"{what} {path} is not a regular file (mode {st.st_mode:o})")
+        check_owned(path, st, what, private)
+        if st.st_size > limit:
+            raise Skipped(f"{what} {path} is {st.st_size} bytes, over the {limit}-byte limit")
+        chunks, left = [], st.st_size + 1  # one more byte: a file that grew is noticed
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > st.st_size:
+            raise Skipped(f"{what} {path} grew while it was read")
+        return data
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Writes `path` (0600) atomically: a temporary file in the same folder, then `os.replace`."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# -- authenticated payloads -----------------------------------------------------------------------
+def seal(key: bytes, name: str, payload: bytes, magic: bytes) -> bytes:
+    """`magic`, the HMAC-SHA256 of `name` and `payload` under `key` (hex), a newline, `payload`.
+    The name is in the MAC, so an entry moved to another entry's path does not authenticate."""
+    return magic + _mac(key, name, payload) + b"\n" + payload
+
+
+def unseal(key: bytes, name: str, data: bytes, magic: bytes) -> Optional[bytes]:
+    """The payload `seal` wrapped, or None when `data` is not what this key sealed under `name`."""
+    header = len(magic) + 64 + 1
+    if len(data) < header or not data.startswith(magic) or data[header - 1:header] != b"\n":
+        return None
+    payload = data[header:]
+    return payload if hmac.compare_digest(data[len(magic):header - 1], _mac(key, name, payload)) else None
+
+
+def _mac(key: bytes, name: str, payload: bytes) -> bytes:
+    mac = hmac.new(key, name.encode() + b"\0", hashlib.sha256)
+    mac.update(payload)
+    return mac.hexdigest().encode()
