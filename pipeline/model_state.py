@@ -3,11 +3,13 @@ the trace rewrite that feeds the compiled code the new tensors, and state dicts 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
-from ir import InputSpec, Trace, node_value
+from ir import InputSpec, PipelineWarning, Trace, node_value
 from transforms.chain import for_parameter
+from transforms.materialize import casts_message, lacks_message
 from transforms.model_transform import ModelTransform
 
 
@@ -30,32 +32,77 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
     """Replaces the parameters the transforms claim by light placeholders of the same shape, dtype and
     device, so the original module still captures; returns what replaced them. Where several
     transforms claim one parameter they apply as a chain, in the order given (`transforms.chain`).
+    Everything is checked (chains compose, no transform refuses, the file holds every claimed
+    tensor) before any parameter changes, so an error leaves the model as it was.
 
-    `reader` (an open safetensors file) supplies the values of parameters still on the meta device:
-    a transform reads only the slices it keeps (`encode_slices`), never the whole tensor."""
-    replaced = {}
+    `reader` (an open safetensors file) supplies the values: a transform reads only the slices it
+    keeps (`encode_slices`), never the whole tensor, cast to the parameter's dtype (with a warning)."""
+    claimed = _claimed(model, transforms)
+    if reader is not None:
+        keys = set(reader.keys())
+        missing = [q for q in claimed if q not in keys]
+        if missing:
+            raise KeyError(lacks_message("the checkpoint", missing, keys))
+    replaced, casts = {}, []
+    for qualname, (module_prefix, module, attr, param, transform) in claimed.items():
+        target = device if param.is_meta else param.device
+        if reader is not None:
+            source = _ReadAs(reader.get_slice(qualname), param.dtype)
+            encoded = transform.encode_slices(source, param)
+            if source.stored is not None:
+                casts.append((qualname, source.stored, param.dtype))
+        elif param.is_meta:
+            raise ValueError(f"{transform.name}: {qualname} is on the meta device; materialize it first")
+        else:
+            encoded = transform.encode(param.detach())
+        trains = transform.trainable and param.requires_grad  # a frozen parameter stays frozen
+        tensors = {s: torch.nn.Parameter(t.to(target), requires_grad=trains and t.is_floating_point())
+                   for s, t in encoded.items()}
+        replaced[qualname] = Replaced(transform, tensors, torch.empty_like(param, device="meta"),
+                                      module_prefix, attr)
+        stand_in = torch.zeros(1, dtype=param.dtype, device=target).expand(param.shape)
+        setattr(module, attr, torch.nn.Parameter(stand_in, requires_grad=False))
+    if casts:
+        warnings.warn(f"materialize: loading the checkpoint: {casts_message(casts)}", PipelineWarning, stacklevel=2)
+    return replaced
+
+
+def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:
+    """qualname -> (module prefix, module, attribute, parameter, transform) for every parameter a
+    transform replaces; raises if a chain does not compose or a transform refuses a parameter."""
+    claimed, refused = {}, []
     for module_prefix, module in model.named_modules():
-        for attr, param in list(module.named_parameters(recurse=False)):
+        for attr, param in module.named_parameters(recurse=False):
             qualname = f"{module_prefix}.{attr}" if module_prefix else attr
-            if qualname in replaced:
+            if qualname in claimed:
                 continue
             transform = for_parameter(transforms, module, qualname, param)
             if transform is None:
                 continue
-            target = device if param.is_meta else param.device
-            if param.is_meta:
-                if reader is None:
-                    raise ValueError(f"{transform.name}: {qualname} is on the meta device; materialize it first")
-                encoded = transform.encode_slices(reader.get_slice(qualname), param)
-            else:
-                encoded = transform.encode(param.detach())
-            tensors = {s: torch.nn.Parameter(t.to(target), requires_grad=transform.trainable and t.is_floating_point())
-                       for s, t in encoded.items()}
-            replaced[qualname] = Replaced(transform, tensors, torch.empty_like(param, device="meta"),
-                                          module_prefix, attr)
-            stand_in = torch.zeros(1, dtype=param.dtype, device=target).expand(param.shape)
-            setattr(module, attr, torch.nn.Parameter(stand_in, requires_grad=False))
-    return replaced
+            why = transform.refuses(module, param)
+            if why is not None:
+                refused.append((transform, f"{qualname} ({why})"))
+            claimed[qualname] = (module_prefix, module, attr, param, transform)
+    if refused:
+        names = [r for _, r in refused]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ValueError(f"{refused[0][0].name} replaces these parameters with frozen tensors, so training would "
+                         f"update only the others: {shown}. It is for inference: call model.eval() "
+                         f"(and model.requires_grad_(False) if nothing should train) before pipeline.jit.")
+    return claimed
+
+
+class _ReadAs:
+    """A safetensors slice whose reads come back in `dtype`; `stored` is the file's dtype if it differs."""
+
+    def __init__(self, inner, dtype: torch.dtype):
+        self.inner, self.dtype, self.stored = inner, dtype, None
+
+    def __getitem__(self, index):
+        value = self.inner[index]
+        if value.dtype != self.dtype:
+            self.stored = value.dtype
+        return value.to(self.dtype)
 
 
 def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):

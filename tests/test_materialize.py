@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 import pipeline
 from helpers import recording_safe_open
 from models import Llama, LlamaConfig
+from ir import PipelineWarning
 from transforms import materialize, quantize
 
 
@@ -57,3 +58,72 @@ def test_materialize_then_quantize_holds_int8_weights():
     assert {p.dtype for n, p in cm.named_parameters() if n.endswith(".q")} == {torch.int8}
     with torch.no_grad():
         assert torch.isfinite(cm(torch.randint(0, 256, (2, 16)))).all()
+
+
+def saved(tmp_path, state, name="model.safetensors"):
+    path = str(tmp_path / name)
+    save_file({k: v.contiguous() for k, v in state.items()}, path)
+    return path
+
+
+def pipeline_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, PipelineWarning)]
+
+
+def test_a_float64_checkpoint_is_cast_with_one_warning_naming_the_tensors(tmp_path):
+    trained = Llama(LlamaConfig()).double()
+    path = saved(tmp_path, trained.state_dict())
+    with pytest.warns(PipelineWarning) as record:
+        cm = pipeline.jit(meta_llama(), executors=["torch"], transforms=[materialize(path)])
+    [message] = pipeline_warnings(record)
+    assert "21 tensors" in message and "embed.weight (torch.float64 -> torch.float32)" in message
+    assert all(p.dtype == torch.float32 for p in cm.parameters())
+    assert torch.equal(dict(cm.named_parameters())["head.weight"], trained.head.weight.float())
+
+
+def test_keys_that_match_nothing_are_named_in_a_warning(tmp_path):
+    trained = Llama(LlamaConfig())
+    path = saved(tmp_path, {**trained.state_dict(), "head.wieght": torch.zeros(1), "extra.scale": torch.ones(2)})
+    with pytest.warns(PipelineWarning, match=r"2 keys match no parameter.*extra\.scale, head\.wieght") as record:
+        cm = pipeline.jit(meta_llama(), executors=["torch"], transforms=[materialize(path)])
+    assert len(pipeline_warnings(record)) == 1 and "pipeline.save" not in pipeline_warnings(record)[0]
+    assert torch.equal(dict(cm.named_parameters())["head.weight"], trained.head.weight)
+
+
+def test_a_pipeline_save_file_is_refused_with_a_hint_to_use_pipeline_load(tmp_path):
+    trained = Llama(LlamaConfig())
+    path = str(tmp_path / "saved.safetensors")
+    pipeline.save(pipeline.jit(trained, executors=["torch"]), path)
+    with pytest.raises(KeyError, match=r"lacks embed\.weight.*written by pipeline\.save.*'model\.'.*pipeline\.load"):
+        pipeline.jit(meta_llama(), executors=["torch"], transforms=[materialize(path)])
+
+
+def test_a_checkpoint_loads_into_a_model_not_on_meta(tmp_path):
+    """materialize(path) on a real model still takes the file's values, not silently its own."""
+    trained = Llama(LlamaConfig())
+    path = saved(tmp_path, trained.state_dict())
+    cm = pipeline.jit(Llama(LlamaConfig()), executors=["torch"], transforms=[materialize(path)])
+    for name, param in cm.named_parameters():
+        assert torch.equal(param, trained.get_parameter(name)), name
+
+
+def test_quantize_reading_a_float64_file_warns_and_quantizes_the_weights_from_it(tmp_path):
+    trained = Llama(LlamaConfig()).double()
+    path = saved(tmp_path, trained.state_dict())
+    model = meta_llama().eval()
+    with pytest.warns(PipelineWarning) as record:
+        cm = pipeline.jit(model, executors=["torch"], transforms=[materialize(path), quantize("int8")])
+    text = " ".join(pipeline_warnings(record))
+    assert "layers.0.attn.wq.weight (torch.float64 -> torch.float32)" in text  # read by quantize
+    assert "embed.weight (torch.float64 -> torch.float32)" in text             # read by materialize
+    expected = quantize("int8").encode(trained.head.weight.float())["q"]
+    assert torch.equal(dict(cm.named_parameters())["head.weight.q"], expected)
+
+
+def test_quantize_reading_a_file_that_lacks_a_weight_names_it_and_changes_nothing(tmp_path):
+    state = {k: v for k, v in Llama(LlamaConfig()).state_dict().items() if k != "head.weight"}
+    path = saved(tmp_path, state)
+    model = meta_llama().eval()
+    with pytest.raises(KeyError, match=r"lacks head\.weight"):
+        pipeline.jit(model, executors=["torch"], transforms=[materialize(path), quantize("int8")])
+    assert all(p.is_meta for p in model.parameters())

@@ -109,6 +109,31 @@ def test_unknown_quantization_is_an_error():
         quantize("int3")
 
 
+def test_a_model_in_train_mode_is_refused_before_anything_changes():
+    """Its weights would become frozen int8 tensors and only the biases would train."""
+    model = Llama(LlamaConfig())  # train() mode, the default
+    before = dict(model.named_parameters())
+    with pytest.raises(ValueError, match=r"quantize\(int8\).*layers\.0\.attn\.wq\.weight \(its module is in "
+                                         r"train\(\) mode\).*call model\.eval\(\)"):
+        pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    assert all(p is before[n] for n, p in model.named_parameters())  # none replaced
+
+
+def test_a_linear_left_in_train_mode_is_named():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).eval()
+    model[2].train()
+    with pytest.raises(ValueError, match=r"2\.weight \(its module is in train\(\) mode\)") as info:
+        pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    assert "0.weight" not in str(info.value)
+    assert model[2].weight.dtype == torch.float32 and model[0].weight.dtype == torch.float32
+
+
+def test_an_eval_model_quantizes_and_keeps_training_what_it_leaves_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).eval()
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    params = dict(cm.named_parameters())
+    assert params["0.weight.q"].dtype == torch.int8 and not params["0.weight.q"].requires_grad
+    assert params["0.bias"].requires_grad and params["1.weight"].requires_grad
 
 
 def test_moving_the_model_moves_the_quantized_tensors(llama_and_tokens):

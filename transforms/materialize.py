@@ -4,13 +4,21 @@ Each module whose parameters or buffers are on `meta` is given empty storage on 
 (`to_empty`) and initialised by its own `reset_parameters()` (its init code) — or, with `checkpoint`
 (a safetensors path), every tensor of the state dict is read from the file one at a time through
 safetensors' lazy slices, never the whole file into memory (modules with non-persistent buffers
-still run their init for those). A module left with values nothing initialises is an error.
+still run their init for those). With a checkpoint the file's values are loaded even into tensors
+not on `meta`. A module left with values nothing initialises, and a tensor the file lacks, are
+errors; a tensor stored in another dtype (cast to the model's) and a key that matches nothing of
+the model (ignored) give one `PipelineWarning` per load, naming them.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
+
+from ir import PipelineWarning
+
+SAVED_PREFIX = "model."  # where `pipeline.save` keeps the model's state dict
 
 
 class Materialize:
@@ -26,6 +34,8 @@ class Materialize:
         loaded (by model transforms that read their own slices)."""
         on_meta = [(name, m) for name, m in model.named_modules() if _has_meta_state(m)]
         if not on_meta:
+            if self.checkpoint is not None:  # the user asked for the file's values: never ignore it
+                load_tensors(model, self.checkpoint, skip)
             return
         # Without a checkpoint every module initialises itself; with one, those whose state the file
         # cannot hold (non-persistent buffers, such as rotary tables) still must.
@@ -45,22 +55,59 @@ class Materialize:
 
 
 def load_tensors(model: torch.nn.Module, path: str, skip: frozenset = frozenset()) -> None:
-    """Copies each parameter and persistent buffer from the safetensors file, reading tensor by tensor."""
+    """Copies each parameter and persistent buffer from the safetensors file, reading tensor by tensor;
+    `skip`: keys a model transform already read (they still count as matched)."""
     from safetensors import safe_open
 
-    state = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in skip}
+    everything = model.state_dict(keep_vars=True)
+    state = {k: v for k, v in everything.items() if k not in skip}
     with safe_open(path, framework="pt") as f, torch.no_grad():
         keys = set(f.keys())
         missing = [k for k in state if k not in keys and not k.endswith("_extra_state")]
         if missing:
-            raise KeyError(f"materialize: {path} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise KeyError(lacks_message(path, missing, keys))
+        casts = []
         for key, target in state.items():
             if key in keys:
                 source = f.get_slice(key)[:]
                 if tuple(source.shape) != tuple(target.shape):
                     raise ValueError(f"materialize: {key} is {tuple(source.shape)} in {path}, "
                                      f"the model expects {tuple(target.shape)}")
+                if source.dtype != target.dtype:
+                    casts.append((key, source.dtype, target.dtype))
                 target.copy_(source)
+    problems = [casts_message(casts)] if casts else []
+    unmatched = sorted(keys - set(everything))
+    if unmatched:
+        problems.append(f"{len(unmatched)} keys match no parameter or buffer of the model and were ignored: "
+                        f"{_listed(unmatched)}{_saved_hint(keys, everything)}")
+    if problems:
+        warnings.warn(f"materialize: loading {path}: " + "; ".join(problems), PipelineWarning, stacklevel=2)
+
+
+def casts_message(casts: list) -> str:
+    """Names the (key, file dtype, model dtype) casts a load made."""
+    shown = _listed([f"{key} ({stored} -> {dtype})" for key, stored, dtype in casts])
+    return (f"{len(casts)} tensors are stored in another dtype than the model's and were cast: {shown} "
+            f"(to keep the file's dtype, convert the model, e.g. model.to(torch.float64), before jit)")
+
+
+def lacks_message(where: str, missing: list, file_keys) -> str:
+    """The error for tensors of the model a checkpoint does not hold."""
+    return f"materialize: {where} lacks {_listed(missing)}{_saved_hint(file_keys, missing)}"
+
+
+def _saved_hint(file_keys, model_keys) -> str:
+    """A hint when the file holds the model's keys under `pipeline.save`'s prefix."""
+    if not any(SAVED_PREFIX + k in file_keys for k in model_keys):
+        return ""
+    return (f". It looks like a file written by pipeline.save (the model's state under '{SAVED_PREFIX}'): "
+            f"jit with materialize() and then call pipeline.load(cm, path), or write the file with the "
+            f"prefix stripped")
+
+
+def _listed(items: list, limit: int = 8) -> str:
+    return ", ".join(items[:limit]) + (f" ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
 def _to_empty_meta_only(module: torch.nn.Module, device) -> None:

@@ -30,6 +30,15 @@ class ModelTransform:
         """Whether this transform replaces parameter `qualname` (owned by `module`)."""
         raise NotImplementedError
 
+    def refuses(self, module: torch.nn.Module, param: torch.Tensor) -> Optional[str]:
+        """Why this transform will not replace `param` of `module`, or None. One whose new tensors are
+        frozen refuses a module in train() mode: only the parameters it leaves alone would train.
+        (`requires_grad` alone is no refusal: every parameter has it by default, and a later fsdp
+        in a chain shards only parameters that require grad.)"""
+        if not self.trainable and module.training:
+            return "its module is in train() mode"
+        return None
+
     def cannot_encode(self, value: torch.Tensor) -> Optional[str]:
         """Why `value` (a meta tensor: shape and dtype) cannot be encoded, or None. Checked on the
         tensors an earlier transform of a chain hands over."""
