@@ -5,7 +5,8 @@
 Runs the demo's Llama-style training (examples/demo.py: same model, data and AdamW) in two fresh
 processes sharing one empty `PIPELINE_CACHE_DIR`: the cold one compiles and fills the cache, the
 warm one finds it. Each gets its own empty `TORCHINDUCTOR_CACHE_DIR`, so the warm speed-up is ours,
-not Inductor's. Prints both first-step times, their ratio, and whether the losses are identical.
+not Inductor's. A third process runs with the cache off, for comparison. Prints the first-step
+times, what `compile_stats` accounts for of each, their ratio, and whether the losses are identical.
 
 Without `--deterministic` only the first step's loss is comparable bit for bit: Inductor's CPU
 embedding backward accumulates with atomic adds, so two cold runs already differ from the third
@@ -66,14 +67,16 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PIPELINE_CACHE_DIR": os.path.join(tmp, "pipeline"), "PIPELINE_CACHE": "1"}
         results = {}
-        for name in ("cold", "warm"):
+        for name in ("cold", "warm", "off"):
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, f"inductor-{name}")  # fresh, empty
+            env["PIPELINE_CACHE"] = "0" if name == "off" else "1"
             results[name] = run(env, args.executors, args.steps, args.deterministic)
     cold, warm = results["cold"], results["warm"]
     for name, r in results.items():
         seconds = ", ".join(f"{k} {v:.2f}" for k, v in r["seconds"].items())
+        counted = sum(r["seconds"].values())
         print(f"{name}: first step {r['first_step']:.2f} s (whole process {r['process']:.1f} s), "
-              f"cache {r['cache']}; seconds: {seconds}")
+              f"compile_stats {counted:.2f} s ({counted / r['first_step']:.0%}), cache {r['cache']}; seconds: {seconds}")
     same = [a == b for a, b in zip(cold["losses"], warm["losses"])]
     print(f"warm/cold first step: {cold['first_step'] / warm['first_step']:.1f}x faster warm; "
           f"loss bit-identical per step: {same}"

@@ -8,13 +8,18 @@ for every row — eager, torch.compile, and pipeline.jit with several executor l
     python benchmarks/train_gpu.py --device cpu --layers 1 --batch 1 --seq 32 --steps 6   # smoke test
     python benchmarks/train_gpu.py --resume /tmp/rows.json --only eager torch.compile   # one run in
     python benchmarks/train_gpu.py --resume /tmp/rows.json                               # two commands
+    python benchmarks/train_gpu.py --cache --only "torch.compile" "pipeline.jit [inductor] + cuda graphs"
 
 Rows ending in "+ cuda graphs" jit with `cuda_graphs=True` (each stage replayed as one CUDA graph);
 "torch.compile reduce-overhead" is torch.compile with its CUDA graphs.
 
 Each row runs in its own process with its own empty Inductor and Triton caches (clean peak memory,
 no state or compiled kernel shared between rows), with a time limit (--row-timeout), so one row
-that compiles too long is reported and the others still run.
+that compiles too long is reported and the others still run. The pipeline's compiled-artifact cache
+is off, unless `--cache`: then each row runs twice, "(cold)" and "(warm)", in two fresh processes that
+share that row's cache dirs (the pipeline's, Inductor's FX/AOT and Triton's), empty for the cold one,
+with the pipeline's cache on as users run it (torch.compile rows: its own caches kept the same way).
+`compile s` is then the sum of compile_stats' seconds of a pipeline row, to set beside its first step.
 
 Columns: tokens/s over steps 5-20, MFU = (6·params + 12·layers·seq·dim) FLOPs per token against
 790 TFLOP/s (the bf16 matmul rate measured on the H200), first-step (compile) time, peak memory
@@ -241,6 +246,8 @@ def main():
     parser.add_argument("--trace-dir", default=None, help="with --profile: keep each row's chrome trace here")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds per row, compile included")
+    parser.add_argument("--cache", action="store_true",
+                        help="each row cold then warm (a second process) with its caches kept; pipeline cache on")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--resume", default=None,
                         help="a file of rows measured so far: rows in it are not run again, new rows are added "
@@ -275,8 +282,13 @@ def main():
         selected = [r for r in ROWS if any(o == r or (o in r and o not in ROWS) for o in args.only)]
     else:
         selected = ROWS if args.all else ACCEPTANCE
-    for name in [r for r in ROWS if r in selected or r in done]:
-        result = done.get(name) or run_in_subprocess(name, args)
+    names = [r for r in ROWS if r in selected or r in done]
+    if args.cache:
+        names = [f"{r} ({when})" for r in names for when in ("cold", "warm")]
+        kept = tempfile.TemporaryDirectory()  # each row's cache dirs, shared by its cold and warm runs
+    for name in names:
+        caches = os.path.join(kept.name, re.sub(r"[^A-Za-z0-9]+", "_", row_of(name))) if args.cache else None
+        result = done.get(name) or run_in_subprocess(name, args, caches)
         if args.resume and name not in done and "error" not in result:
             done[name] = result
             with open(args.resume, "w") as f:
@@ -286,12 +298,15 @@ def main():
             results.append(result)
             continue
         losses, times = result["losses"], result["times"]
-        eager_losses = eager_losses or (losses if name == "eager" else None)
+        eager_losses = eager_losses or (losses if row_of(name) == "eager" else None)
         steady = times[4:]
         tps = tokens_per_step * len(steady) / sum(steady)
         mfu = tps * flops_per_token / PEAK_FLOPS
         dev = max(abs(a - b) for a, b in zip(losses, eager_losses)) if eager_losses else float("nan")
-        print(f"{name:50} {tps:9.0f} {mfu:6.1%} {times[0]:10.1f} {result['peak']:9.2f} {dev:11.2e}", flush=True)
+        counted = sum(result["extra"].get("compile_seconds", {}).values())
+        print(f"{name:50} {tps:9.0f} {mfu:6.1%} {times[0]:10.1f} {result['peak']:9.2f} {dev:11.2e}"
+              + (f"   compile_stats {counted:.1f} s ({counted / times[0]:.0%} of the 1st step)" if counted else ""),
+              flush=True)
         for key, value in result["extra"].items():
             if isinstance(value, list) and not value:
                 continue
@@ -306,12 +321,21 @@ def main():
             json.dump(results, f, indent=1)
 
 
-def run_in_subprocess(name, args):
-    """One row in a fresh process, within --row-timeout seconds."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory() as caches:
-        # cold compiler caches for every row: no row's first step reuses kernels an earlier row built
+def row_of(name: str) -> str:
+    """The row a `--cache` run belongs to: its name without " (cold)" / " (warm)"."""
+    return re.sub(r" \((cold|warm)\)$", "", name)
+
+
+def run_in_subprocess(name, args, kept_caches=None):
+    """One row in a fresh process, within --row-timeout seconds. Its compiler caches are empty
+    (no row's first step reuses kernels an earlier row built), or `kept_caches` (--cache: the cold
+    and warm runs of one row share them, and the pipeline's cache is on)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory() as fresh:
+        caches = kept_caches or fresh
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
                "TRITON_CACHE_DIR": os.path.join(caches, "triton")}
+        if kept_caches:
+            env.update(PIPELINE_CACHE="1", PIPELINE_CACHE_DIR=os.path.join(caches, "pipeline"))
         cmd = [sys.executable, __file__, "--row", name, "--row-json", out.name, "--layers", str(args.layers),
                "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
                "--device", args.device]
@@ -337,7 +361,8 @@ def run_one(args, config):
     pool = [torch.randint(0, config.vocab, (args.batch, args.seq), generator=g).to(DEVICE) for _ in range(2)]
     batches = [pool[i % 2] for i in range(args.steps)]
     try:
-        losses, times, peak, extra = run_row(args.row, executors_of(args.row), config, batches, args.profile,
+        row = row_of(args.row)
+        losses, times, peak, extra = run_row(row, executors_of(row), config, batches, args.profile,
                                              args.trace_dir, args.host_profile)
         result = {"row": args.row, "losses": losses, "times": times, "peak": peak, "extra": extra}
     except Exception as e:  # a row that cannot run says why; the others still run
