@@ -19,13 +19,16 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ir import Region, Trace, describe_value, node_value
+from ir import Region, Trace, describe_value, get_logger, node_value
 
 from .base import Executor, RegionDeclined, op_name
 from .dispatch import Assignment, assign
 from .partition import keep_islands_whole, partition
 from .result_check import ResultCheck
 from .torch_executor import torch_executor
+
+
+log = get_logger("dispatch")
 
 
 class CompiledRegion(torch.nn.Module):
@@ -168,6 +171,9 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
                     _store(artifacts, key, fn, source, region, by_name[region.executor], uncached)
                 elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
                     uncached.append(f"region {region.id} not cached: an executor failed to compile it")
+            log.info("%s %s: region %d/%d (%d ops) %s by %s in %.2f s", graph_id, stage, k + 1, len(named),
+                     region.op_count, "loaded" if region.id in loaded else "compiled", region.executor,
+                     region.compile_seconds)
             island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
             if island:
                 region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))

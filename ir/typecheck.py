@@ -32,22 +32,36 @@ def check_types(trace: Trace, *, before: Optional[Trace] = None, pass_name: str 
     if before is not None:
         _check_outputs(before, trace, who, output_dtypes_may_change)
     known = _node_keys(before) if before is not None else set()
+    entered: list = []  # autocast regions the trace opened, closed again however the check ends
+    try:
+        with torch.set_grad_enabled(torch.is_grad_enabled()):  # restores grad mode after the check
+            _check_nodes(trace, known, who, entered)
+    finally:
+        for ctx in reversed(entered):
+            torch.amp.autocast_mode._exit_autocast(ctx)
+
+
+def _check_nodes(trace: Trace, known: set, who: str, entered: list) -> None:
     env: dict[fx.Node, Any] = {}
-    mode = _fake_mode(trace)
     for node in trace.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             env[node] = node_value(node)
             continue
         claimed = node_value(node)
         if node.target in _STATEFUL:
-            _run(node, env, mode)
-            env[node] = claimed
+            env[node] = _run(node, env)
+            if node.target is torch.amp.autocast_mode._enter_autocast:
+                entered.append(env[node])
+            elif node.target is torch.amp.autocast_mode._exit_autocast and node.args[0] in env:
+                entered.remove(env[node.args[0]]) if env[node.args[0]] in entered else None
             continue
         if _key(node) in known or not _derivable(node, claimed):
             env[node] = claimed
             continue
         try:
-            derived = _run(node, env, mode)
+            derived = _run(node, env)
+        except _CannotRun:
+            derived = claimed
         except Exception as e:
             raise TraceError(f"{who}: node {node.name!r} cannot be computed from its inputs: "
                              f"{type(e).__name__}: {str(e).strip()[:300]}\n{_context(node)}") from e
@@ -113,31 +127,38 @@ def _derivable(node: fx.Node, claimed) -> bool:
     return not _has_unbacked(claimed)
 
 
-def _run(node: fx.Node, env: dict, mode):
+class _CannotRun(Exception):
+    """The node's inputs cannot be brought into one fake mode (symbolic sizes of two shape
+    environments): it is not re-derived."""
+
+
+def _run(node: fx.Node, env: dict):
+    """The node's op on the fake values of its inputs, in their fake mode. Captured graphs may hold
+    fake values of more than one mode (Dynamo's, the parameters' own) and real constants: those
+    are re-made in the mode of the first fake input."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves, tree_map
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-    ctx = mode if mode is not None else _NoMode()
-    with ctx:
+    mode = next((t.fake_mode for t in tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)), None)
+
+    def into_mode(t):
+        if not isinstance(t, torch.Tensor) or mode is None or getattr(t, "fake_mode", None) is mode:
+            return t
+        if not isinstance(t, FakeTensor):
+            return mode.from_tensor(t, static_shapes=True)
+        if not all(isinstance(x, int) for x in (*t.shape, *t.stride())):
+            raise _CannotRun()
+        with mode:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
+
+    args, kwargs = tree_map(into_mode, (args, kwargs))
+    with mode if mode is not None else contextlib.nullcontext():
         if node.op == "call_method":
             self_arg, *rest = args
             return getattr(self_arg, node.target)(*rest, **kwargs)
         return node.target(*args, **kwargs)
-
-
-class _NoMode:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _fake_mode(trace: Trace):
-    from torch._guards import detect_fake_mode
-    values = [node_value(n) for n in trace.placeholders()]
-    try:
-        return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
-    except AssertionError:  # several fake modes: leave it to each node's inputs
-        return None
 
 
 def _difference(claimed, derived) -> str:

@@ -63,7 +63,7 @@ class PipelineBackend:
                  sum(n.op.startswith("call") for n in gm.graph.nodes), record.compile_id)
         try:
             return self._compile(gm, example_inputs, record)
-        except (PassError, PipelineFallbackError):
+        except (PassError, PipelineFallbackError, Warning):  # a Warning: warnings are errors here
             raise
         except Exception as e:  # model code the pipeline cannot lower runs in eager, loudly
             if state.replaced:  # the captured graph reads stand-ins for the transformed parameters

@@ -54,7 +54,7 @@ class CompileState:
     cuda_graphs: bool = False                # record each stage as a CUDA graph (pipeline/cuda_graphs.py)
     fallback: str = "warn"                   # "warn" | "raise": what a fallback to eager does (fallbacks.py)
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # every fallback, in order
-    calls: int = 0                           # calls of the jitted model
+    calls: int = 0                           # calls of the jitted model that returned
 
 
 def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transforms: Sequence = (),
@@ -201,7 +201,6 @@ def _call(runner, state: CompileState, args, kwargs):
         # a new step for the CUDA graph trees, which count Dynamo's frame entries; this path has none
         torch._dynamo.mutation_guard.GenerationTracker.generation += 1
     n_records = len(state.records)
-    state.calls += 1
     breaks_before = _raw_break_counts(counters)  # cheap copies; parsed only if this call compiled
     start = time.perf_counter()
     _give_ups.calls.append([])
@@ -217,10 +216,9 @@ def _call(runner, state: CompileState, args, kwargs):
         raise
     finally:
         gave_up = _give_ups.calls.pop()
-    for message in gave_up:
-        report_fallback(state, "Dynamo stopped compiling a frame, which runs in eager: "
-                        + " ".join(message.split("\n")[:3]))
-    if len(state.records) != n_records:
+    state.calls += 1
+    compiled_nothing = not state.records and state.calls == 1
+    if len(state.records) != n_records or compiled_nothing:
         state.generation += 1
         for record in state.records[n_records:]:
             record.generation = state.generation
@@ -230,6 +228,11 @@ def _call(runner, state: CompileState, args, kwargs):
         for reason, count in _break_counts(_raw_break_counts(counters)).items():
             state.graph_breaks += [reason] * (count - before.get(reason, 0))
         _note_recompile_reasons(state.records[n_records:])
+    if compiled_nothing and not gave_up:  # Dynamo found nothing to compile, and said nothing
+        gave_up = [f"the first call compiled no graph (graph breaks: {'; '.join(state.graph_breaks) or 'none'})"]
+    for message in gave_up:
+        report_fallback(state, "Dynamo stopped compiling a frame, which runs in eager: "
+                        + " ".join(message.split("\n")[:3]))
     return out
 
 

@@ -39,12 +39,44 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # a fallback to eager (or to another executor) is an error in tests, except where a test
+    # is about fallbacks and says so with @pytest.mark.allow_fallback
+    for item in items:
+        if "allow_fallback" in item.keywords:
+            item.add_marker(pytest.mark.filterwarnings("default::ir.diagnostics.PipelineFallbackWarning"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu.sh tests on the GPU machine")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def every_call_compiled(request, monkeypatch):
+    """A test passes only if every jitted model it called compiled something: at least one graph,
+    none of them run in eager. Eager fallback gives eager's numbers, so comparing with eager alone
+    cannot tell a working compiler from one that compiles nothing."""
+    import importlib
+    jit_module = importlib.import_module("pipeline.jit")  # the module (`pipeline.jit` is the function)
+    states = []
+    init = jit_module.CompileState.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        states.append(self)
+    monkeypatch.setattr(jit_module.CompileState, "__init__", recording_init)
+    yield
+    if "allow_fallback" in request.keywords:
+        return
+    for state in states:
+        if state.calls == 0:
+            continue
+        assert state.records, (f"a jitted model was called {state.calls} time(s) and compiled no graph "
+                               f"(it ran uncompiled); fallbacks: {state.fallbacks}")
+        eager = {r.graph_id: r.eager_fallback for r in state.records if r.eager_fallback}
+        assert not eager, f"graphs ran in eager: {eager}"
+        assert not state.fallbacks, f"fallbacks: {state.fallbacks}"
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -23,7 +23,20 @@ def run_both(model, *inputs, executors=("torch",), train=False, **jit_kwargs):
             with torch.no_grad():
                 out = m(*ins)
         outs.append(out)
+    assert_compiled_by(jitted, executors)
     return outs[0], outs[1], eager, jitted
+
+
+def assert_compiled_by(jitted, executors):
+    """The jitted model compiled (no graph in eager, no fallback) and the first listed executor
+    runs at least one region: matching eager alone would also pass with nothing compiled."""
+    import pipeline
+    stats = pipeline.compile_stats(jitted)
+    assert stats.graphs > 0, "nothing was compiled"
+    assert not stats.eager_fallbacks and not stats.fallbacks, f"fell back: {stats.fallbacks}"
+    first = executors[0] if isinstance(executors[0], str) else executors[0].name
+    owners = {r.executor for r in pipeline.regions(jitted)}
+    assert first in owners, f"{first} runs no region; regions run on {sorted(owners)}"
 
 
 def _loss(out):
@@ -161,4 +174,5 @@ def assert_llama_step_matches_eager(config, executors, batch=2):
     torch.testing.assert_close(loss, expected, atol=1e-2, rtol=1e-2)
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad.float(), atol=2e-2, rtol=5e-2, msg=n)
+    assert_compiled_by(cm, list(executors))
     return cm

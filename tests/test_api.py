@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import pipeline
+from ir import PipelineFallbackWarning
 from executors import Executor
 
 
@@ -160,6 +161,7 @@ def test_inspection_of_a_plain_module_is_an_error(mlp):
         pipeline.regions(mlp)
 
 
+@pytest.mark.allow_fallback
 def test_lowering_failure_runs_the_graph_in_eager_with_the_reason(mlp, monkeypatch):
     import pipeline.compiler as compiler
 
@@ -168,10 +170,23 @@ def test_lowering_failure_runs_the_graph_in_eager_with_the_reason(mlp, monkeypat
     monkeypatch.setattr(compiler, "aot_module_simplified", broken)
     cm = pipeline.jit(mlp, executors=["torch"])
     x = torch.randn(2, 16)
-    with pytest.warns(UserWarning, match="runs in eager"):
+    with pytest.warns(PipelineFallbackWarning, match="runs in eager"):
         out = cm(x)
     assert torch.equal(out, mlp(x))
-    assert "no lowering for this construct" in pipeline.compile_stats(cm).eager_fallbacks["g0"]
+    stats = pipeline.compile_stats(cm)
+    assert "no lowering for this construct" in stats.eager_fallbacks["g0"]
+    assert len(stats.fallbacks) == 1 and "no lowering for this construct" in stats.fallbacks[0]
+
+
+def test_lowering_failure_is_an_error_under_fallback_raise(mlp, monkeypatch):
+    import pipeline.compiler as compiler
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("no lowering for this construct")
+    monkeypatch.setattr(compiler, "aot_module_simplified", broken)
+    cm = pipeline.jit(mlp, executors=["torch"], fallback="raise")
+    with pytest.raises(pipeline.PipelineFallbackError, match="g0 runs in eager.*no lowering for this construct"):
+        cm(torch.randn(2, 16))
 
 
 def test_profile_times_every_region_by_name(mlp, tmp_path):

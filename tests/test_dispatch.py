@@ -97,12 +97,15 @@ def test_operator_executor_gets_one_region_per_op():
     assert [r.ops for r in pipeline.regions(cf) if r.executor == "ops"] == [["sin"], ["mul"], ["cos"]]
 
 
+@pytest.mark.allow_fallback
 def test_region_that_fails_to_compile_falls_back_with_the_reason():
     broken = Claiming("broken", tag=torch.Tag.pointwise, fail=True)
     backup = Claiming("backup", tag=torch.Tag.pointwise)
     cf = pipeline.jit(diamond, executors=[broken, backup])
     x = torch.randn(6)
-    assert torch.equal(cf(x), diamond(x))
+    with pytest.warns(pipeline.PipelineFallbackWarning, match="broken failed to compile"):
+        assert torch.equal(cf(x), diamond(x))
+    assert len(pipeline.compile_stats(cf).fallbacks) == 2
     table = pipeline.regions(cf)
     assert {r.executor for r in table} == {"backup", "torch"}
     assert all("broken failed to compile: RuntimeError: broken cannot compile this" in r.fallback_reason
@@ -111,11 +114,13 @@ def test_region_that_fails_to_compile_falls_back_with_the_reason():
     assert len(pipeline.compile_stats(cf).region_fallbacks) == 2
 
 
+@pytest.mark.allow_fallback
 def test_failed_region_with_no_other_claimant_runs_on_torch():
     broken = Claiming("broken", tag=torch.Tag.pointwise, fail=True)
     cf = pipeline.jit(diamond, executors=[broken])
     x = torch.randn(6)
-    assert torch.equal(cf(x), diamond(x))
+    with pytest.warns(pipeline.PipelineFallbackWarning, match="runs on torch: broken failed to compile"):
+        assert torch.equal(cf(x), diamond(x))
     assert {r.executor for r in pipeline.regions(cf)} == {"torch"}
 
 
@@ -268,7 +273,9 @@ def test_an_island_no_fusion_executor_takes_whole_stays_split():
 
 def test_a_region_of_a_many_region_stage_can_free_the_inputs_it_reads_last():
     """Regions of a stage with several regions are called with an argument list too: the saved
-    activation that a backward region reads last dies inside that region, not when it returns."""
+    activation that a backward region reads last dies inside that region, not when it returns.
+    From the second step: at its first call a region keeps its inputs until it returns, to run
+    again on the next executor if its result is wrong (executors/result_check.py)."""
     freed = []
     # the matmuls run on torch: several regions per stage
     frees = FreesInputs(freed, claim=lambda op: op is not aten.mm.default)
@@ -276,8 +283,9 @@ def test_a_region_of_a_many_region_stage_can_free_the_inputs_it_reads_last():
     eager = copy.deepcopy(model)
     cm = pipeline.jit(model, executors=[frees])
     x = torch.randn(3, 8)
-    cm(x).sum().backward()
-    eager(x).sum().backward()
+    for _ in range(2):
+        cm(x).sum().backward()
+        eager(x).sum().backward()
     backward = [r for r in pipeline.regions(cm) if r.stage == "backward"]
     assert len(backward) > 1 and any(r.executor == "frees_inputs" for r in backward)
     assert sum(freed[-sum(r.executor == "frees_inputs" for r in backward):]) >= 1  # the saved tanh output

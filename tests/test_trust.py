@@ -1,0 +1,273 @@
+"""Nothing silently wrong: every way a wrong result, a skipped pass or an uncompiled run used to
+reach the user unannounced is now an error naming the culprit, or a loud fallback whose result
+equals eager."""
+import logging
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pipeline
+from executors import Executor
+from ir import PipelineFallbackWarning
+from transforms import mixed_precision, trace_pass
+
+
+def mm_relu(x, y):
+    return (x @ y).relu()
+
+
+class Wrong(Executor):
+    """A fusion executor taking every op, whose regions run the ATen graph and then spoil the result
+    the way `mode` says (at every call, or from the `from_call`-th call on)."""
+    kind = "fusion"
+
+    def __init__(self, mode, from_call=0):
+        self.name, self.mode, self.from_call = f"wrong_{mode}", mode, from_call
+
+    def claims_op(self, op, node):
+        return True
+
+    def compile_region(self, gm, example_inputs):
+        if self.mode == "none":
+            return None
+        calls = []
+
+        def run(*args):
+            out = tuple(gm(*args))
+            calls.append(1)
+            if len(calls) <= self.from_call:
+                return out
+            if self.mode == "narrow":
+                return tuple(o[..., :1] for o in out)
+            if self.mode == "transpose":
+                return tuple(o.t() for o in out)
+            if self.mode == "float64":
+                return tuple(o.double() for o in out)
+            if self.mode == "too_few":
+                return out[:-1]
+            if self.mode == "not_a_tuple":
+                return out[0]
+        return run
+
+
+WRONG = {"narrow": "expected shape (3, 4), got (3, 1)",
+         "transpose": "expected shape (3, 4), got (4, 3)",
+         "float64": "expected dtype torch.float32, got torch.float64",
+         "too_few": "0 outputs, its trace has 1",
+         "not_a_tuple": "Tensor, not a tuple of 1 outputs",
+         "none": "compile_region returned NoneType, not a callable"}
+
+
+@pytest.mark.allow_fallback
+@pytest.mark.parametrize("mode", sorted(WRONG))
+def test_a_wrong_executor_result_goes_to_the_next_executor_with_one_warning(mode):
+    x, y = torch.randn(3, 5), torch.randn(5, 4)
+    cm = pipeline.jit(mm_relu, executors=[Wrong(mode), "torch"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = cm(x, y), cm(x, y)
+    assert torch.equal(first, mm_relu(x, y)) and torch.equal(second, mm_relu(x, y))
+    ours = [w for w in caught if issubclass(w.category, PipelineFallbackWarning)]
+    assert len(ours) == 1 and WRONG[mode] in str(ours[0].message)
+    (region,) = pipeline.regions(cm)
+    assert region.executor == "torch" and WRONG[mode] in region.fallback_reason
+    assert f"wrong_{mode}" in region.fallback_reason and "(fallback)" in str(pipeline.regions(cm))
+    assert len(pipeline.compile_stats(cm).fallbacks) == 1
+
+
+def test_a_square_transpose_is_caught_by_its_strides():
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    cm = pipeline.jit(mm_relu, executors=[Wrong("transpose"), "torch"], fallback="raise")
+    with pytest.raises(pipeline.PipelineFallbackError, match=r"output 0: expected strides \(4, 1\), got \(1, 4\)"):
+        cm(x, y)
+
+
+def test_after_the_first_call_regions_run_unchecked():
+    """The check costs nothing after a region's first call: the checking entry points are gone."""
+    cm = pipeline.jit(mm_relu, executors=["torch"])
+    x, y = torch.randn(3, 5), torch.randn(5, 4)
+    cm(x, y)
+    region = next(m for t in pipeline.last_traces(cm) for m in t.module.modules()
+                  if type(m).__name__ == "CompiledRegion")
+    assert "forward" not in vars(region) and "call_boxed" not in vars(region)
+
+
+@pytest.mark.allow_fallback
+def test_pipeline_debug_checks_every_call(monkeypatch):
+    monkeypatch.setenv("PIPELINE_DEBUG", "1")
+    monkeypatch.setenv("PIPELINE_DUMP_DIR", os.path.join(os.environ["PIPELINE_CACHE_DIR"], "dump"))
+    cm = pipeline.jit(mm_relu, executors=[Wrong("narrow", from_call=1), "torch"], cache=False)
+    x, y = torch.randn(3, 5), torch.randn(5, 4)
+    assert torch.equal(cm(x, y), mm_relu(x, y))
+    with pytest.warns(PipelineFallbackWarning, match="expected shape"):
+        assert torch.equal(cm(x, y), mm_relu(x, y))
+    assert pipeline.regions(cm)[0].executor == "torch"
+
+
+# -- passes ------------------------------------------------------------------------------------
+
+def _output_node_pass(change):
+    @trace_pass(name=f"bad_{change.__name__}")
+    def bad(trace):
+        gm = trace.editable()
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        change(gm, out)
+        gm.recompile()
+        return trace.derive(gm, by=f"bad_{change.__name__}")
+    return bad
+
+
+def transpose_output(gm, out):
+    (value,) = out.args[0][:1]
+    with gm.graph.inserting_before(out):
+        t = gm.graph.call_function(torch.ops.aten.t.default, (value,))
+    t.meta["val"] = value.meta["val"].t()
+    out.args = ((t, *out.args[0][1:]),)
+
+
+def drop_output(gm, out):
+    out.args = (tuple(out.args[0][:-1]),)
+
+
+def claim_a_wrong_shape(gm, out):
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    node.meta = dict(node.meta, val=node.meta["val"][:1])
+
+
+@pytest.mark.parametrize("change, message", [
+    (transpose_output, "output 0 changed shape from (3, 4) to (4, 3)"),
+    (drop_output, "1 output specs for 0 outputs"),
+    (claim_a_wrong_shape, "node 'mm' claims shape (1, 4) but its op computes (3, 4)"),
+])
+def test_a_pass_that_breaks_the_trace_is_a_pass_error_naming_it(change, message):
+    cm = pipeline.jit(mm_relu, executors=["torch"], transforms=[_output_node_pass(change)])
+    with pytest.raises(pipeline.PassError, match=f"bad_{change.__name__}") as e:
+        cm(torch.randn(3, 5), torch.randn(5, 4))
+    assert message in str(e.value)
+
+
+def test_a_pass_that_raises_is_a_pass_error_naming_it():
+    @trace_pass
+    def explodes(trace):
+        raise ValueError("my bug")
+    cm = pipeline.jit(mm_relu, executors=["torch"], transforms=[explodes])
+    with pytest.raises(pipeline.PassError, match="pass 'explodes' raised ValueError.*my bug"):
+        cm(torch.randn(3, 5), torch.randn(5, 4))
+
+
+def test_a_pass_factory_listed_uncalled_is_an_error_at_jit():
+    with pytest.raises(TypeError, match=r"mixed_precision makes a transform: list mixed_precision\(...\)"):
+        pipeline.jit(mm_relu, transforms=[mixed_precision])
+    with pytest.raises(TypeError, match="must take one argument, the trace"):
+        pipeline.jit(mm_relu, transforms=[lambda: None])
+
+
+def test_mixed_precision_may_change_output_dtypes():
+    model = nn.Linear(4, 4)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[mixed_precision("bf16")])
+    assert cm(torch.randn(2, 4)).dtype == torch.bfloat16
+
+
+# -- Dynamo giving up --------------------------------------------------------------------------
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+def test_many_jits_of_one_class_each_compile():
+    """Dynamo keys compiled code on `Small.forward`'s code object: without a recompile budget of its
+    own, the 9th jitted instance would run uncompiled (the conftest check fails such a test)."""
+    x = torch.randn(2, 4)
+    for _ in range(11):
+        model = Small()
+        cm = pipeline.jit(model, executors=["torch"])
+        assert torch.equal(cm(x), model(x))
+        assert pipeline.compile_stats(cm).graphs == 1 and pipeline.regions(cm)
+
+
+@pytest.mark.allow_fallback
+def test_the_recompile_limit_is_a_loud_fallback_naming_the_frame():
+    def scale(x, items):
+        return x * len(items)
+    cm = pipeline.jit(scale, executors=["torch"])
+    x = torch.randn(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(12):
+            assert torch.equal(cm(x, list(range(n))), x * n)
+    stats = pipeline.compile_stats(cm)
+    assert stats.graphs == 8
+    assert len(stats.fallbacks) == 1 and "recompile_limit" in stats.fallbacks[0] and "'scale'" in stats.fallbacks[0]
+    assert any(issubclass(w.category, PipelineFallbackWarning) and "recompile_limit" in str(w.message)
+               for w in caught)
+
+
+@pytest.mark.allow_fallback
+def test_a_call_that_compiles_nothing_says_so():
+    sin = torch._dynamo.disable(torch.sin)  # Dynamo does not trace it: the whole call runs in eager
+
+    def untraceable(x):
+        return sin(x)
+    cm = pipeline.jit(untraceable, executors=["torch"])
+    with pytest.warns(PipelineFallbackWarning, match="the first call compiled no graph"):
+        cm(torch.randn(3))
+    stats = pipeline.compile_stats(cm)
+    assert stats.graphs == 0 and len(stats.fallbacks) == 1
+
+
+@pytest.mark.allow_fallback
+def test_generate_says_it_runs_the_original_model():
+    class WithGenerate(Small):
+        def generate(self, x, steps):
+            for _ in range(steps):
+                x = self(x)
+            return x
+    model = WithGenerate()
+    cm = pipeline.jit(model, executors=["torch"])
+    x = torch.randn(2, 4)
+    with pytest.warns(PipelineFallbackWarning, match=r"generate\(\) runs the original model uncompiled"):
+        out = cm.generate(x, 3)
+    assert torch.equal(out, model.generate(x, 3))
+    cm.generate(x, 1)
+    assert len(pipeline.compile_stats(cm).fallbacks) == 1
+
+
+# -- options and logging -----------------------------------------------------------------------
+
+def test_fallback_option_is_checked():
+    with pytest.raises(TypeError, match="fallback must be one of"):
+        pipeline.jit(mm_relu, fallback="ignore")
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_the_log_says_what_each_graph_goes_through():
+    model = Small()
+    cm = pipeline.jit(model, executors=["torch"])
+    logger, lines = logging.getLogger("pipeline"), Lines()
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        cm(torch.randn(2, 4)).sum().backward()
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    text = "\n".join(lines.lines)
+    assert "g0: captured" in text and "g0 forward: lowered" in text and "g0 backward: lowered" in text
+    assert "g0 forward: region 1/1" in text and "compiled by torch" in text
