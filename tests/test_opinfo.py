@@ -70,7 +70,12 @@ def check_op(op, executor):
         expected_out, expected_grads = run(fn)
     except Exception as e:  # e.g. CUDA-only jiterator ops listed with CPU dtypes
         pytest.skip(f"eager itself fails on this sample: {type(e).__name__}: {str(e)[:100]}")
-    out, grads = run(pipeline.jit(fn, executors=[executor]))
+    try:
+        out, grads = run(pipeline.jit(fn, executors=[executor], fallback="raise"))
+    except pipeline.PipelineFallbackError as e:  # visible in the summary, never a silent pass
+        if "compiled no graph" not in str(e):
+            raise
+        pytest.xfail(f"Dynamo captures no graph of this sample: {str(e)[:200]}")
     assert len(out) == len(expected_out)
     for a, b in zip(out, expected_out):
         torch.testing.assert_close(a, b, equal_nan=True, rtol=1.3e-6 if executor == "torch" else 1e-4,
