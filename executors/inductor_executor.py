@@ -319,20 +319,30 @@ def _stable_text(value) -> str:
 
 @functools.cache
 def _machine() -> str:
-    """What generated kernels are specific to, as Inductor's own cache keys it: the GPU, CUDA and
-    Triton versions (`CacheBase.get_system`), and the CPU's vector instruction set."""
-    parts = []
+    """What generated kernels are specific to: the GPU, the CUDA/HIP and Triton versions (as
+    Inductor's `CacheBase.get_system` keys them), and the CPU's architecture and instruction-set
+    flags (what Inductor's vector ISA is picked from). Read cheaply: `get_system` hashes Triton's
+    source tree and `pick_vec_isa` compiles probe programs, seconds each in every fresh process,
+    before the cache could save anything."""
+    import importlib.metadata
+    import platform
+    parts = [platform.machine(), f"cuda {torch.version.cuda}", f"hip {torch.version.hip}",
+             f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')}"]
+    for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
+        try:
+            parts.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        parts += [f"{torch.cuda.get_device_name(i)} {torch.cuda.get_device_capability(i)}"
+                  for i in range(torch.cuda.device_count())]
     try:
-        from torch._inductor.codecache import CacheBase
-        parts.append(str(CacheBase.get_system().get("hash")))
-    except Exception as e:  # an Inductor without it: key on its absence
-        parts.append(f"no-system-hash:{type(e).__name__}")
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-        parts.append(str(pick_vec_isa()))
-    except Exception as e:
-        parts.append(f"no-vec-isa:{type(e).__name__}")
-    return ",".join(parts)
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+        parts.append(" ".join(sorted(flags.split(":", 1)[-1].split())))
+    except OSError:
+        parts.append(platform.processor())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def _library_ops():

@@ -7,15 +7,17 @@ qualified name and a hash of its source and closure), the model-changing transfo
 load artifacts built the old way). A pass that sets `cacheable = False`
 (see `uncached`), or whose source cannot be read, turns the cache off for the graph, with the reason.
 
-Entry: per stage the execution trace (printed) and its regions, the runtime wrappers' metadata, and
+Entry: per stage the lowered trace's fingerprint and its regions, the runtime wrappers' metadata, and
 each region's executor artifact keyed by the region's own hash (`executors.plan.region_key`). On a
 hit the pipeline still captures, runs the passes, lowers and partitions (cheap), but rebuilds each
 region from its artifact instead of compiling it.
 
 Files live under `PIPELINE_CACHE_DIR` (default `~/.cache/fxpipeline`); `PIPELINE_CACHE=0` or
-`jit(..., cache=False)` turns the cache off. A write goes to a temporary file in the same folder,
-then `os.replace`, so concurrent processes never see half an entry. Each entry carries a SHA-256 of
-its payload: a corrupt or truncated entry is reported with one warning and the graph recompiled.
+`jit(..., cache=False)` turns the cache off. Only what this user wrote is read (`cache_files`, and
+docs/cache.md for the trust model): a root, folder or entry someone else could have written turns
+the cache off for the process with one warning; entries are HMAC-sealed with a per-user key and
+checked before unpickling; a link, FIFO or oversized file is never read. Writes go to a temporary
+file in the same folder, then `os.replace`, so concurrent processes never see half an entry.
 """
 from __future__ import annotations
 
