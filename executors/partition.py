@@ -25,13 +25,15 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from ir import is_random
 
 from .base import Executor, computes_nothing, op_name
+from .symbol_inputs import pass_symbol_inputs
 
 
 def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[str, str]]:
     """Moves every assigned op of `gm` into a region submodule (in place).
 
     Returns (submodule name, executor name) for each region in execution order; the submodules are
-    named `region0`, `region1`, ... in that order.
+    named `region0`, `region1`, ... in that order. Each region also receives the shape symbols its
+    values are expressed in (`pass_symbol_inputs`), not only its ops' arguments.
     """
     for k, ex in enumerate(executors):
         assigned = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") == ex.name]
@@ -49,6 +51,7 @@ def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[s
         for node in gm.graph.nodes:
             if node.op == "call_module" and node.target.startswith(prefix):
                 node.meta["executor"] = ex.name
+    pass_symbol_inputs(gm)
     return _rename_in_order(gm)
 
 

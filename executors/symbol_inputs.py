@@ -1,0 +1,63 @@
+"""Every region receives the shape symbols its code names.
+
+A region's inputs, as `fuse_by_partitions` makes them, are only the values its ops take as
+arguments. Under dynamic shapes that is not enough: a backward region that pads by a saved
+`neg = s48 - 10` to an output of size `s48`, or reads a tangent of size `2*(s48//2)`, needs `s48`
+itself, and a compiler binds a symbol only from an input that is that plain symbol (see
+`ir.symbols`). The stage graph binds it (a SymInt input, a tensor input's size); the region did not
+get it, and Inductor's code failed with `NameError: name 's48' is not defined` (or an assertion).
+Here each region also receives, for each symbol it is missing, a value of the stage that binds it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ir import node_value
+from ir.symbols import binds, unbound_symbols
+
+
+def pass_symbol_inputs(gm: fx.GraphModule) -> None:
+    """Adds to each region of `gm` (a `call_module` node) an input for each symbol the region refers
+    to but does not bind: the earliest value of `gm` before the region that binds it (a SymInt is
+    preferred to a tensor, which would be kept alive longer). In place; symbols nothing binds are
+    left for `ir.symbols.check_symbols_bound` to report."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    missing = {call: unbound_symbols(gm.get_submodule(call.target)) for call in calls}  # static: [] at once
+    if not any(missing.values()):
+        return
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    binders: dict[str, list[fx.Node]] = {}  # symbol -> the nodes of gm binding it, SymInts first
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            for s in binds(node_value(node)):
+                binders.setdefault(str(s), []).append(node)
+    for nodes in binders.values():
+        nodes.sort(key=lambda n: (not _is_symint(n), order[n]))
+    for call, problems in missing.items():
+        added = []
+        for problem in problems:
+            source = next((b for b in binders.get(problem.symbol, ()) if order[b] < order[call]), None)
+            if source is not None and source not in call.args and source not in added:
+                added.append(source)
+        if added:
+            _add_inputs(gm.get_submodule(call.target), call, added)
+
+
+def _add_inputs(region: fx.GraphModule, call: fx.Node, values: list[fx.Node]) -> None:
+    """Appends placeholders for `values` to the region's graph and the values to its call."""
+    placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+    after = placeholders[-1] if placeholders else None
+    for value in values:
+        context = region.graph.inserting_after(after) if after is not None else \
+            region.graph.inserting_before(next(iter(region.graph.nodes)))
+        with context:
+            p = region.graph.placeholder(f"{value.name}_symbol")
+        p.meta.update({k: v for k, v in value.meta.items() if k in ("val", "example_value", "tensor_meta")})
+        after = p
+    call.args = tuple(call.args) + tuple(values)
+    region.recompile()
+
+
+def _is_symint(node: fx.Node) -> bool:
+    return isinstance(node_value(node), torch.SymInt)

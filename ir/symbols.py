@@ -1,0 +1,170 @@
+"""Shape symbols a graph refers to, and whether its inputs bind them.
+
+A graph compiled on its own (an executor's region) must receive every symbol its code will name: a
+generated kernel that computes `2*(s48//2)` needs `s48` itself as a value. Compilers bind a symbol
+only from an input that *is* it — a size or stride of a tensor input that equals the plain symbol,
+or a SymInt input equal to it (Inductor's wrapper does exactly that and nothing more: a SymInt input
+`s48 - 10` binds nothing). Unbacked symbols (`u0`) are bound by the op that produces them.
+A symbol bound neither way is a `NameError` in generated code at run time; `check_symbols_bound`
+makes it an error at build time, naming the symbol, the graph and the op.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+from .trace import node_value
+from .verify import TraceError
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+class UnboundSymbolError(TraceError):
+    """A graph refers to a shape symbol that none of its inputs binds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UnboundSymbol:
+    """One unbound symbol, the first node that refers to it (`how`), and the op that needs it."""
+    symbol: str
+    node: str
+    op: str
+    how: str
+
+    def __str__(self) -> str:
+        return f"{self.symbol} (in {self.how} {self.node!r}, op {self.op})"
+
+
+def unbound_symbols(gm: fx.GraphModule) -> list[UnboundSymbol]:
+    """The symbols `gm`'s values and arguments refer to that its inputs do not bind, each with the
+    first node referring to it, in graph order; [] for a graph of static shapes."""
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if _static(placeholders):
+        return []
+    bound = set().union(*(binds(node_value(p)) for p in placeholders)) if placeholders else set()
+    missing: dict[Any, UnboundSymbol] = {}
+
+    def need(exprs, node, how, op=None):
+        for expr in exprs:
+            for s in expr.free_symbols - bound:
+                missing.setdefault(s, UnboundSymbol(str(s), node.name, op or _op(node), how))
+
+    for node in placeholders:  # a tensor input's own offset is not read by compiled code
+        reader = next(iter(node.users), None)
+        need(_exprs(node_value(node), offsets=False), node, "the value of input",
+             f"{_op(reader)}, which reads it" if reader is not None else "none reads it")
+    for node in nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        exprs = list(_exprs(node_value(node)))
+        bound |= _introduced(node, exprs)
+        need(exprs, node, "the value of node")
+        need(_literals((node.args, node.kwargs)), node, "a symbolic constant (not a graph value) in the arguments of node")
+    return list(missing.values())
+
+
+def check_symbols_bound(gm: fx.GraphModule, where: str) -> None:
+    """Raises `UnboundSymbolError` if `gm` refers to a symbol its inputs do not bind (see
+    `unbound_symbols`); `where` names the graph in the message (e.g. "region 3 (backward)")."""
+    problems = unbound_symbols(gm)
+    if problems:
+        inputs = [f"{p.name}: {_show(node_value(p))}" for p in gm.graph.nodes if p.op == "placeholder"]
+        raise UnboundSymbolError(
+            f"{where}: refers to shape symbol{'s' if len(problems) > 1 else ''} "
+            f"{'; '.join(map(str, problems))}, which no input binds (inputs: {', '.join(inputs) or 'none'}); "
+            f"its compiled code would fail with NameError. The graph must take each symbol as an input "
+            f"(a SymInt, or a tensor whose size or stride is that symbol).")
+
+
+def binds(value) -> set:
+    """The symbols an input with this (fake) value binds: its sizes and strides that are plain
+    symbols, or itself if it is a SymInt equal to a plain symbol."""
+    import sympy
+    if isinstance(value, _SYMBOLIC):
+        expr = value.node.expr
+        return {expr} if isinstance(expr, sympy.Symbol) else set()
+    if isinstance(value, torch.Tensor):
+        return {e for e in _exprs(value, offsets=False) if isinstance(e, sympy.Symbol)}
+    return set()
+
+
+def _exprs(value, offsets: bool = True) -> Iterator:
+    """The sympy expressions of the symbolic sizes, strides (and storage offsets) in `value`."""
+    if isinstance(value, _SYMBOLIC):
+        yield value.node.expr
+    elif isinstance(value, torch.Tensor):
+        parts = [value.shape]
+        if value.layout == torch.strided:
+            parts.append(value.stride())
+            if offsets:
+                parts.append((value.storage_offset(),))
+        for part in parts:
+            for x in part:
+                if isinstance(x, torch.SymInt):
+                    yield x.node.expr
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _exprs(v, offsets)
+
+
+def _introduced(node: fx.Node, exprs: list) -> set:
+    """Unbacked symbols an op creates (a data-dependent size, `item()`): bound from this node on."""
+    found = set(node.meta.get("unbacked_bindings") or ())
+    if found or node.op != "call_function":
+        return found
+    for expr in exprs:  # graphs made without `unbacked_bindings` metadata
+        found |= {s for s in expr.free_symbols if _is_unbacked(s)}
+    return found
+
+
+def _literals(args) -> list:
+    """The expressions of SymInts written into `args` as constants (a graph value would be a Node)."""
+    found, stack = [], [args]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, (tuple, list)):
+            stack.extend(a)
+        elif isinstance(a, dict):
+            stack.extend(a.values())
+        elif isinstance(a, _SYMBOLIC):
+            found.append(a.node.expr)
+    return found
+
+
+def _static(placeholders) -> bool:
+    """Whether the graph's fake values come from a shape env that never made a symbol (then none
+    can be unbound: one look-up instead of a scan). False when that cannot be told."""
+    from torch._guards import detect_fake_mode
+    try:
+        mode = detect_fake_mode([node_value(p) for p in placeholders])
+    except Exception:  # inputs of several fake modes: scan
+        return False
+    if mode is None:
+        return False
+    env = mode.shape_env
+    return env is None or (isinstance(getattr(env, "var_to_range", None), dict) and not env.var_to_range)
+
+
+def _is_unbacked(symbol) -> bool:
+    try:
+        from torch.utils._sympy.symbol import SymT, symbol_is_type
+        return symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
+    except ImportError:  # a torch without the helper: unbacked symbols are named u0, u1, ...
+        return str(symbol).startswith("u")
+
+
+def _op(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, (str, torch._ops.OpOverload)):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _show(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{list(value.shape)}"
+    return type(value).__name__ + (f" {value}" if isinstance(value, _SYMBOLIC) else "")
