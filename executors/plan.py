@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ir import Region, Trace, describe_value, get_logger, node_value
+from ir.symbols import check_symbols_bound
 
 from .base import Executor, RegionDeclined, op_name
 from .dispatch import Assignment, assign
@@ -312,6 +313,7 @@ def _warn(message: str) -> None:
 def _compile_with_fallback(source, region, first: Executor, order, fallback) -> tuple[Callable, bool]:
     """The region compiled by the first candidate that takes it, and whether any candidate failed
     (raised an error, as opposed to declining)."""
+    check_symbols_bound(source, f"region {region.id} ({region.stage}, for {first.name})")  # else a NameError when run
     example_inputs = [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
     candidates = [first] + [e for e in order[order.index(first) + 1:]
                             if e is not first and _claims_all(e, source)]

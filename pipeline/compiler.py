@@ -89,12 +89,12 @@ class PipelineBackend:
         cache = GraphCache.open(gm, example_inputs, state, record)
         wrappers = graph_wrappers(state)  # e.g. model-changing transforms (stage 2) feed their tensors
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
-        verify(trace)
+        timed_verify(record, trace)
         for executor in state.executors:  # model-level swaps (stage 2), e.g. TE's linears
             prepared, notes = executor.prepare(trace)
             record.fallbacks += notes
             if prepared is not trace:
-                check_built_in(trace, prepared, f"{executor.name}.prepare")
+                check_built_in(trace, prepared, f"{executor.name}.prepare", record)
                 trace = record.add_trace(prepared)
         trace = self._run_passes("before_autodiff", trace, record)
         trace = self._grouped_kv_attention(trace, record)
@@ -124,7 +124,7 @@ class PipelineBackend:
         try:
             grouped = grouped_kv_attention_in(trace)
             if grouped is not trace:
-                check_built_in(trace, grouped, "grouped_kv_attention")
+                check_built_in(trace, grouped, "grouped_kv_attention", record)
         except Exception as e:
             record.fallbacks.append(("scaled_dot_product_attention",
                                      f"k/v left repeated: grouped_kv_attention raised {type(e).__name__}: {e}"))
@@ -155,7 +155,7 @@ class PipelineBackend:
                       inputs=lowered_input_specs(gm, captured.inputs, stage),
                       outputs=lowered_output_specs(gm, captured.inputs, stage, meta),
                       provenance=captured.provenance + (Step(f"lower ({stage})"),))
-        record.add_trace(verify(trace))
+        record.add_trace(timed_verify(record, trace))
         log.info("%s %s: lowered to %d ATen ops", record.graph_id, stage, len(trace.ops()))
         lowered = trace.fingerprint() if cache is not None else ""
         # Saved activations nothing reads after the backward (AOTAutograd's donated buffers, by
@@ -229,10 +229,20 @@ def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
     return out
 
 
-def check_built_in(before: Trace, after: Trace, step: str) -> None:
+def check_built_in(before: Trace, after: Trace, step: str, record: GraphRecord) -> None:
     """The same checks as for a user's pass, for a rewrite the pipeline applies itself."""
+    start = time.perf_counter()
     verify(after)
     check_types(after, before=before, pass_name=step)
+    record.seconds["verify"] += time.perf_counter() - start
+
+
+def timed_verify(record: GraphRecord, trace: Trace) -> Trace:
+    """The structural verifier on a stage's output (`ir.verify`), its time counted."""
+    start = time.perf_counter()
+    verify(trace)
+    record.seconds["verify"] += time.perf_counter() - start
+    return trace
 
 
 def _num_outputs(gm: fx.GraphModule) -> int:

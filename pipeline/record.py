@@ -10,6 +10,7 @@ from collections import defaultdict
 from typing import Optional
 
 from ir import Region, Trace, python_source, verify
+from ir.typecheck import check_types
 
 
 @dataclasses.dataclass
@@ -31,8 +32,10 @@ class GraphRecord:
 
     def add_trace(self, trace: Trace) -> Trace:
         self.traces.append(trace)
-        if debug_enabled():
+        if debug_enabled():  # every node re-derived, not only those a pass changed
             verify(trace)
+            if trace.ops() and not any(n.op == "call_module" for n in trace.graph.nodes):
+                check_types(trace)
             dump(trace, len(self.traces))
         return trace
 
