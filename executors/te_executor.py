@@ -63,13 +63,22 @@ te_linear = torch.library.custom_op("pipeline_te::linear", mutates_args=())(_lin
 
 
 @te_linear.register_fake
-def _(x, weight, bias, fp8, scaling, index):
+def _linear_fake(x, weight, bias, fp8, scaling, index):
     y = x.new_empty(*x.shape[:-1], weight.shape[0])
     if not fp8:
         return [y]
     m, k, n = x.numel() // x.shape[-1], x.shape[-1], weight.shape[0]
     u8, f32 = dict(dtype=torch.uint8, device=x.device), dict(dtype=torch.float32, device=x.device)
     return [y, torch.empty(k, m, **u8), torch.empty(1, **f32), torch.empty(k, n, **u8), torch.empty(1, **f32)]
+
+
+def _fp8_saved_values(x, weight, fp8: bool) -> list:
+    """The fake values `pipeline_te::linear` returns beside y (the fp8 casts it saves)."""
+    if not fp8:
+        return []
+    import contextlib
+    with getattr(x, "fake_mode", None) or contextlib.nullcontext():
+        return _linear_fake(x, weight, None, fp8, -1, -1)[1:]
 
 
 def _linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool, fp8: bool,
@@ -264,7 +273,7 @@ class TEExecutor(Executor):
                 first = gm.graph.call_function(operator.getitem, (call, 0))
             y = node_value(node)
             device = y.device
-            call.meta["val"] = [y]
+            call.meta["val"] = [y] + _fp8_saved_values(node_value(x), node_value(w), self.use_fp8)
             first.meta["val"] = y
             if "example_value" in node.meta:
                 first.meta["example_value"] = y

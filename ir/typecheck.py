@@ -98,15 +98,41 @@ def _node_keys(trace: Trace) -> set:
 
 
 def _key(node: fx.Node):
-    """What a node is: its op, target, arguments (by name) and the identity of its metadata; a
-    node with the same key in the pass's input trace was checked already. Fake values are shared,
-    never copied, by `Trace.editable`, so their identity says the metadata is unchanged."""
-    args = fx.node.map_arg((node.args, node.kwargs), lambda n: ("%", n.name))
+    """What a node is: its op, target, arguments (by name) and the identity of its metadata and of
+    its inputs' metadata; a node with the same key in the pass's input trace was checked already.
+    Fake values are shared, never copied, by `Trace.editable`, so identity says unchanged."""
+    args = fx.node.map_arg((node.args, node.kwargs), lambda n: ("%", n.name, id(node_value(n))))
     try:
         hash(args)
     except TypeError:
         args = repr(args)
     return node.name, node.op, node.target, args, id(node_value(node))
+
+
+def refresh_values(changed: list[fx.Node]) -> None:
+    """Sets `meta["val"]` again on every node downstream of `changed` whose value its op now
+    computes differently (a pass rewired its input, e.g. to a strided slice): for passes that
+    change what feeds existing nodes."""
+    if not changed:
+        return
+    graph = changed[0].graph
+    dirty = set(changed)
+    env: dict[fx.Node, Any] = {}
+    for node in graph.nodes:
+        env[node] = node_value(node)
+        if node in dirty or node.op not in ("call_function", "call_method"):
+            continue
+        if not any(a in dirty for a in node.all_input_nodes) or not _derivable(node, env[node]):
+            continue
+        try:
+            derived = _run(node, env)
+        except Exception:  # left for the check to report
+            continue
+        if _difference(env[node], derived):
+            node.meta["val"] = env[node] = derived
+            if "example_value" in node.meta:
+                node.meta["example_value"] = derived
+            dirty.add(node)
 
 
 def _derivable(node: fx.Node, claimed) -> bool:

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ir import Trace, fake_like, node_value
+from ir.typecheck import refresh_values
 
 from .base import TracePass, pass_factory
 
@@ -41,8 +42,8 @@ def group_linears_in(trace: Trace) -> Trace:
     groups = _groups(gm.graph)
     if not groups:
         return trace
-    for group in groups:
-        _join(gm.graph, group)
+    pieces = [piece for group in groups for piece in _join(gm.graph, group)]
+    refresh_values(pieces)  # the linears' users now read slices of the stacked output
     gm.graph.lint()
     gm.recompile()
     return trace.derive(gm, by="group_linears")
@@ -76,7 +77,7 @@ def _groups(graph: fx.Graph) -> list[list[fx.Node]]:
     return groups
 
 
-def _join(graph: fx.Graph, group: list[fx.Node]) -> None:
+def _join(graph: fx.Graph, group: list[fx.Node]) -> list[fx.Node]:
     x, _, bias = _parts(group[0])
     weights = [_parts(n)[1] for n in group]
     widths = [node_value(w).shape[0] for w in weights]
@@ -93,13 +94,16 @@ def _join(graph: fx.Graph, group: list[fx.Node]) -> None:
         yv = node_value(y)
         pieces = [fake_like(y0, (*y0.shape[:-1], n), stride=yv.stride()) for n in widths]
         split = _call(graph, torch.split, (y, widths, -1), tuple(pieces))
+        made = []
         for i, node in enumerate(group):
             piece = _call(graph, operator.getitem, (split, i), pieces[i])
             if not _views_allowed(node, pieces[i]):  # a user views it in a way a slice cannot be
                 piece = _method(graph, "contiguous", (piece,), fake_like(y0, pieces[i].shape))
             node.replace_all_uses_with(piece)
+            made.append(piece)
     for node in group:
         graph.erase_node(node)
+    return made
 
 
 def _views_allowed(node: fx.Node, piece) -> bool:
