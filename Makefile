@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 READY := $(VENV)/.ready
 
-.PHONY: demo test test-all bench setup clean
+.PHONY: demo test test-mutants test-all bench setup clean
 
 setup: $(READY)
 
@@ -27,6 +27,10 @@ GPU_LIBRARY_TESTS := tests/test_executor_options.py tests/test_te_regions.py tes
 test: $(READY)
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -p no:cacheprovider --gpu-library-stand-ins $(GPU_LIBRARY_TESTS)
+
+# a few deliberate bugs (tests/mutants.py), each of which a fast subset of the tests must catch
+test-mutants: $(READY)
+	$(BIN)/python scripts/mutants.py
 
 test-all: $(READY)
 	$(BIN)/python -m pytest -q -m "slow or not slow"
