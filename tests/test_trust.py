@@ -198,13 +198,14 @@ def test_the_recompile_limit_is_a_loud_fallback_naming_the_frame():
     def scale(x, items):
         return x * len(items)
     cm = pipeline.jit(scale, executors=["torch"])
+    limit = torch._dynamo.config.recompile_limit  # 8; on torch 2.11 raised by one per jit so far
     x = torch.randn(3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for n in range(12):
+        for n in range(limit + 4):
             assert torch.equal(cm(x, list(range(n))), x * n)
     stats = pipeline.compile_stats(cm)
-    assert stats.graphs == 8
+    assert stats.graphs == limit
     assert len(stats.fallbacks) == 1 and "recompile_limit" in stats.fallbacks[0] and "'scale'" in stats.fallbacks[0]
     assert any(issubclass(w.category, PipelineFallbackWarning) and "recompile_limit" in str(w.message)
                for w in caught)
