@@ -1,0 +1,375 @@
+"""How the `nvfuser` executor writes a region as a `FusionDefinition`: the op translation table.
+
+`OPS` maps an ATen overload to a translation `fn(fd, node, *args, **kwargs) -> Val` (filled by `@_op`);
+`CHECKS` holds the extra condition some ops must meet to be claimed; `define_fusion` builds a region's
+definition. Every result is cast back to the dtype the trace promises (nvFuser computes half types in
+fp32). The executor itself is `nvfuser_executor.py`.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from ir import node_value
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+OPS: dict = {}
+NO_NVFUSER_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.float64, torch.complex64, torch.complex128}
+
+
+def _op(*overloads):
+    def register(fn):
+        for o in overloads:
+            OPS[o] = fn
+        return fn
+    return register
+
+
+def define_fusion(FusionDefinition, gm: fx.GraphModule, inputs: Sequence):
+    """The definition of region `gm` for inputs with the metadata of `inputs`, in a `FusionDefinition()`."""
+    with FusionDefinition() as fd:
+        env: dict[fx.Node, object] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, inputs):
+            env[node] = _define_input(fd, value)
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                env[node] = _translate(fd, node, env)
+            elif node.op == "output":
+                for out in node.args[0]:
+                    fd.add_output(env[out])
+    return fd
+
+
+def _define_input(fd, value):
+    from nvfuser_direct import DataType, compute_tensor_descriptor
+    from nvfuser_direct.pytorch_utils import torch_dtype_to_nvfuser_dtype
+
+    if isinstance(value, torch.Tensor):
+        shape = [1 if s == 1 else -1 for s in value.shape]
+        sizes = [int(s) if isinstance(s, int) else 2 for s in value.shape]
+        strides = [int(s) if isinstance(s, int) else 0 for s in value.stride()]
+        contiguity, stride_order = compute_tensor_descriptor(sizes, strides)
+        return fd.define_tensor(shape=shape, contiguity=contiguity, dtype=torch_dtype_to_nvfuser_dtype(value.dtype),
+                                is_cpu=value.device.type == "cpu", stride_order=stride_order)
+    if isinstance(value, (int, torch.SymInt)):
+        return fd.define_scalar(DataType.Int)
+    if isinstance(value, float):
+        return fd.define_scalar(DataType.Double)
+    raise TypeError(f"nvfuser: unsupported region input {type(value).__name__}")
+
+
+def _translate(fd, node: fx.Node, env):
+    from nvfuser_direct.pytorch_utils import torch_dtype_to_nvfuser_dtype
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            return env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(arg(x) for x in a)
+        return a
+
+    if node.target is operator.getitem:
+        return env[node.args[0]][node.args[1]]
+    fn = OPS.get(node.target)
+    if fn is None:
+        raise NotImplementedError(f"nvfuser: no translation for {node.target}")
+    args = [arg(a) for a in node.args]
+    kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+    if node.target not in _LAYOUTOPS:  # nvFuser computes in fp32: give math ops fp32 operands
+        args = [_float(fd, a) for a in args]
+    result = fn(fd, node, *args, **kwargs)
+    want = node_value(node)
+    if isinstance(want, torch.Tensor) and not isinstance(result, (tuple, list)):
+        if result.dtype() != torch_dtype_to_nvfuser_dtype(want.dtype):
+            result = fd.ops.cast(result, torch_dtype_to_nvfuser_dtype(want.dtype))
+    return result
+
+
+def _nv(dtype):
+    from nvfuser_direct.pytorch_utils import torch_dtype_to_nvfuser_dtype
+    return torch_dtype_to_nvfuser_dtype(dtype)
+
+
+def _float(fd, x):
+    """x in fp32 when it is a half-type tensor (nvFuser's math runs in fp32)."""
+    from nvfuser_direct import DataType
+    try:
+        half = x.dtype() in (DataType.Half, DataType.BFloat16)
+    except (AttributeError, TypeError):
+        return x
+    return fd.ops.cast(x, DataType.Float) if half else x
+
+
+def _rank(node: fx.Node, i: int = 0) -> int:
+    return node_value(node.args[i]).dim()
+
+
+def _dims(dims, rank):
+    dims = [dims] if isinstance(dims, int) else list(dims or range(rank))
+    return [d % rank if rank else 0 for d in dims]
+
+
+# -- pointwise ---------------------------------------------------------------------------------------
+_UNARY = {aten.abs.default: "abs", aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "log",
+          aten.tanh.default: "tanh", aten.sigmoid.default: "sigmoid", aten.rsqrt.default: "rsqrt",
+          aten.sqrt.default: "sqrt", aten.erf.default: "erf", aten.cos.default: "cos", aten.sin.default: "sin",
+          aten.reciprocal.default: "reciprocal", aten.relu.default: "relu", aten.silu.default: "silu",
+          aten.log1p.default: "log1p", aten.expm1.default: "expm1", aten.exp2.default: "exp2",
+          aten.logical_not.default: "logical_not", aten.isnan.default: "isnan", aten.sign.default: "sign",
+          aten.floor.default: "floor", aten.ceil.default: "ceil", aten.round.default: "round"}
+for _overload, _name in _UNARY.items():
+    _op(_overload)(lambda fd, node, x, _n=_name: getattr(fd.ops, _n)(x))
+
+_BINARY = {aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "truediv", aten.div.Scalar: "truediv",
+           aten.maximum.default: "maximum", aten.minimum.default: "minimum",
+           aten.pow.Tensor_Tensor: "pow", aten.pow.Scalar: "pow",
+           aten.eq.Tensor: "eq", aten.eq.Scalar: "eq", aten.ne.Tensor: "ne", aten.ne.Scalar: "ne",
+           aten.lt.Tensor: "lt", aten.lt.Scalar: "lt", aten.le.Tensor: "le", aten.le.Scalar: "le",
+           aten.gt.Tensor: "gt", aten.gt.Scalar: "gt", aten.ge.Tensor: "ge", aten.ge.Scalar: "ge",
+           aten.logical_and.default: "logical_and", aten.logical_or.default: "logical_or"}
+for _overload, _name in _BINARY.items():
+    _op(_overload)(lambda fd, node, a, b, _n=_name: getattr(fd.ops, _n)(a, b))
+
+
+@_op(aten.add.Tensor, aten.add.Scalar)
+def _add(fd, node, a, b, alpha=1):
+    return fd.ops.add(a, b if alpha == 1 else fd.ops.mul(b, alpha))
+
+
+@_op(aten.sub.Tensor, aten.sub.Scalar)
+def _sub(fd, node, a, b, alpha=1):
+    return fd.ops.sub(a, b if alpha == 1 else fd.ops.mul(b, alpha))
+
+
+@_op(aten.rsub.Scalar, aten.rsub.Tensor)
+def _rsub(fd, node, a, b, alpha=1):
+    return fd.ops.sub(b, a if alpha == 1 else fd.ops.mul(a, alpha))
+
+
+@_op(aten.pow.Tensor_Scalar)
+def _pow_scalar(fd, node, x, exponent):
+    """x ** c with the exponents norms and their gradients use as multiplies or roots: nvFuser emits
+    a general powf otherwise (tens of instructions per element; Inductor rewrites these too). Integer
+    tensors keep `pow`, which promotes a float exponent as eager does (x*x would stay integer)."""
+    if not node_value(node.args[0]).dtype.is_floating_point:
+        return fd.ops.pow(x, exponent)
+    if exponent == 1:
+        return fd.ops.set(x)
+    if exponent == 2:
+        return fd.ops.mul(x, x)
+    if exponent == 3:
+        return fd.ops.mul(fd.ops.mul(x, x), x)
+    if exponent == 0.5:
+        return fd.ops.sqrt(x)
+    if exponent == -0.5:
+        return fd.ops.rsqrt(x)
+    if exponent == -1:
+        return fd.ops.reciprocal(x)
+    return fd.ops.pow(x, exponent)
+
+
+@_op(aten.where.self)
+def _where(fd, node, cond, a, b):
+    return fd.ops.where(cond, a, b)
+
+
+@_op(aten.clamp.default)
+def _clamp(fd, node, x, min=None, max=None):
+    if min is not None:
+        x = fd.ops.maximum(x, min)
+    if max is not None:
+        x = fd.ops.minimum(x, max)
+    return x
+
+
+@_op(aten._to_copy.default, prims.convert_element_type.default)
+def _to_copy(fd, node, x, dtype=None, **kwargs):
+    want = node_value(node).dtype
+    return fd.ops.cast(x, _nv(want))
+
+
+@_op(aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)
+def _clone(fd, node, x, **kwargs):
+    return fd.ops.set(x)
+
+
+@_op(aten.silu_backward.default)
+def _silu_backward(fd, node, grad, x):
+    grad, x = _float(fd, grad), _float(fd, x)
+    s = fd.ops.sigmoid(x)
+    return fd.ops.mul(grad, fd.ops.mul(s, fd.ops.add(1.0, fd.ops.mul(x, fd.ops.sub(1.0, s)))))
+
+
+@_op(aten.sigmoid_backward.default)
+def _sigmoid_backward(fd, node, grad, y):
+    return fd.ops.mul(grad, fd.ops.mul(y, fd.ops.sub(1.0, y)))
+
+
+@_op(aten.tanh_backward.default)
+def _tanh_backward(fd, node, grad, y):
+    return fd.ops.mul(grad, fd.ops.sub(1.0, fd.ops.mul(y, y)))
+
+
+@_op(aten.threshold_backward.default)
+def _threshold_backward(fd, node, grad, x, threshold):
+    return fd.ops.where(fd.ops.le(x, threshold), 0.0, grad)
+
+
+@_op(aten.gelu.default)
+def _gelu(fd, node, x, approximate="none"):
+    x = _float(fd, x)
+    if approximate == "tanh":
+        inner = fd.ops.mul(0.7978845608028654, fd.ops.add(x, fd.ops.mul(0.044715, fd.ops.mul(x, fd.ops.mul(x, x)))))
+        return fd.ops.mul(fd.ops.mul(0.5, x), fd.ops.add(1.0, fd.ops.tanh(inner)))
+    return fd.ops.mul(fd.ops.mul(0.5, x), fd.ops.add(1.0, fd.ops.erf(fd.ops.mul(x, 0.7071067811865476))))
+
+
+@_op(aten.gelu_backward.default)
+def _gelu_backward(fd, node, grad, x, approximate="none"):
+    if approximate != "none":
+        raise NotImplementedError("nvfuser: gelu_backward with the tanh approximation")
+    grad, x = _float(fd, grad), _float(fd, x)
+    cdf = fd.ops.mul(0.5, fd.ops.add(1.0, fd.ops.erf(fd.ops.mul(x, 0.7071067811865476))))
+    pdf = fd.ops.mul(0.3989422804014327, fd.ops.exp(fd.ops.mul(-0.5, fd.ops.mul(x, x))))
+    return fd.ops.mul(grad, fd.ops.add(cdf, fd.ops.mul(x, pdf)))
+
+
+# -- reductions --------------------------------------------------------------------------------------
+@_op(aten.sum.dim_IntList, aten.sum.default)
+def _sum(fd, node, x, dims=None, keepdim=False, dtype=None):
+    return fd.ops.sum(_float(fd, x), _dims(dims, _rank(node)), keepdim)
+
+
+@_op(aten.mean.dim, aten.mean.default)
+def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
+    rank = _rank(node)
+    dims = _dims(dims, rank)
+    total = fd.ops.sum(_float(fd, x), dims, keepdim)
+    count = 1
+    shape = node_value(node.args[0]).shape
+    for d in dims:
+        count = count * shape[d]
+    if not isinstance(count, int):
+        raise NotImplementedError("nvfuser: mean over a symbolic size")
+    return fd.ops.truediv(total, float(count))
+
+
+@_op(aten.amax.default)
+def _amax(fd, node, x, dims=(), keepdim=False):
+    return fd.ops.max(_float(fd, x), _dims(dims, _rank(node)), keepdim)
+
+
+@_op(aten.amin.default)
+def _amin(fd, node, x, dims=(), keepdim=False):
+    return fd.ops.min(_float(fd, x), _dims(dims, _rank(node)), keepdim)
+
+
+@_op(aten.var_mean.correction)
+def _var_mean(fd, node, x, dims=None, *, correction=None, keepdim=False):
+    var, mean = fd.ops.var_mean(_float(fd, x), _dims(dims, _rank(node)), int(1 if correction is None else correction),
+                                keepdim)
+    want = node_value(node)
+    return (fd.ops.cast(var, _nv(want[0].dtype)), fd.ops.cast(mean, _nv(want[1].dtype)))
+
+
+@_op(aten._softmax.default)
+def _softmax(fd, node, x, dim, half_to_float):
+    x = _float(fd, x)
+    dim = _dims(dim, _rank(node))
+    e = fd.ops.exp(fd.ops.sub(x, fd.ops.max(x, dim, True)))
+    return fd.ops.truediv(e, fd.ops.sum(e, dim, True))
+
+
+@_op(aten._log_softmax.default)
+def _log_softmax(fd, node, x, dim, half_to_float):
+    x = _float(fd, x)
+    dim = _dims(dim, _rank(node))
+    shifted = fd.ops.sub(x, fd.ops.max(x, dim, True))
+    return fd.ops.sub(shifted, fd.ops.log(fd.ops.sum(fd.ops.exp(shifted), dim, True)))
+
+
+@_op(aten._softmax_backward_data.default)
+def _softmax_backward(fd, node, grad, y, dim, input_dtype):
+    grad, y = _float(fd, grad), _float(fd, y)
+    dim = _dims(dim, _rank(node))
+    gy = fd.ops.mul(grad, y)
+    return fd.ops.sub(gy, fd.ops.mul(y, fd.ops.sum(gy, dim, True)))
+
+
+@_op(aten._log_softmax_backward_data.default)
+def _log_softmax_backward(fd, node, grad, y, dim, input_dtype):
+    grad, y = _float(fd, grad), _float(fd, y)
+    dim = _dims(dim, _rank(node))
+    return fd.ops.sub(grad, fd.ops.mul(fd.ops.exp(y), fd.ops.sum(grad, dim, True)))
+
+
+# -- views -------------------------------------------------------------------------------------------
+@_op(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _reshape(fd, node, x, shape):
+    return fd.ops.reshape(x, list(shape))
+
+
+@_op(aten.permute.default)
+def _permute(fd, node, x, dims):
+    return fd.ops.permute(x, _dims(dims, _rank(node)))
+
+
+@_op(aten.t.default)
+def _t(fd, node, x):
+    return fd.ops.permute(x, [1, 0]) if _rank(node) == 2 else x
+
+
+@_op(aten.transpose.int)
+def _transpose(fd, node, x, d0, d1):
+    rank = _rank(node)
+    order = list(range(rank))
+    d0, d1 = d0 % rank, d1 % rank
+    order[d0], order[d1] = order[d1], order[d0]
+    return fd.ops.permute(x, order)
+
+
+@_op(aten.unsqueeze.default)
+def _unsqueeze(fd, node, x, dim):
+    rank = _rank(node) + 1
+    dim = dim % rank
+    return fd.ops.broadcast(x, [i == dim for i in range(rank)])
+
+
+@_op(aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(fd, node, x, dims):
+    rank = _rank(node)
+    shape = node_value(node.args[0]).shape
+    dims = [d for d in _dims(dims, rank) if shape[d] == 1]
+    return fd.ops.squeeze(x, dims) if dims else x
+
+
+@_op(aten.expand.default)
+def _expand(fd, node, x, shape, implicit=False):
+    rank_in, out = _rank(node), list(node_value(node).shape)
+    if len(shape) > rank_in:
+        x = fd.ops.broadcast(x, [i < len(shape) - rank_in for i in range(len(shape))])
+    return fd.ops.expand(x, [int(s) if isinstance(s, int) else s for s in out])
+
+
+def _static_shapes(node: fx.Node) -> bool:
+    v = node_value(node)
+    return all(isinstance(s, int) for s in v.shape) if isinstance(v, torch.Tensor) else True
+
+
+_LAYOUTOPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+               aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+               aten.expand.default, aten.clone.default, aten.alias.default,
+               aten.lift_fresh_copy.default, aten._to_copy.default, prims.convert_element_type.default}
+
+CHECKS: dict[object, Callable[[fx.Node], bool]] = {
+    aten.mean.dim: _static_shapes,
+    aten._to_copy.default: lambda n: set(n.kwargs) <= {"dtype", "layout", "device", "memory_format"}
+    and node_value(n).device == node_value(n.args[0]).device,
+    aten.gelu_backward.default: lambda n: n.kwargs.get("approximate", "none") == "none",
+    aten.expand.default: _static_shapes,
+}
