@@ -22,12 +22,14 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from .base import (Executor, RegionDeclined, artifact_files_dir, computes_nothing, donated_inputs, is_symbolic_glue,
-                   keep_promised_strides, meta_strides_unreliable, op_name, promised_strides)
+from .artifact_files import artifact_files_dir
+from .base import Cacheable, PerModel, PreparesGraph, RegionDeclined
+from .graph_utils import (computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,
+                          meta_strides_unreliable, op_name, promised_strides)
 from .decompose import NotDecomposable, decompose_graph
 
 
-class InductorExecutor(Executor):
+class InductorExecutor(Cacheable, PerModel, PreparesGraph):
     name = "inductor"
     kind = "fusion"
 

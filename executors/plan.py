@@ -368,14 +368,25 @@ def _describe(source: fx.GraphModule, rid: int, stage: str, ex_name: str, graph_
     out_node = nodes[-1]
     outs = [describe_value(node_value(a)) if isinstance(a, fx.Node) else repr(a)
             for a in out_node.args[0]]
-    flops = [gemm_flops(n) for n in nodes if n.op == "call_function"]
+    counters = _built_in_executors()  # their `flops` hooks count their own ops (TE's)
+    flops = [gemm_flops(n, counters) for n in nodes if n.op == "call_function"]
     return Region(id=rid, stage=stage, executor=ex_name, ops=ops, input_shapes=ins,
                   output_shapes=outs, graph_id=graph_id, gemm_flops=sum(f for f, _ in flops),
                   fp8_gemm_flops=sum(f for f, fp8 in flops if fp8))
 
 
-def gemm_flops(node: fx.Node) -> tuple[int, bool]:
-    """(matmul FLOPs of `node`, whether they run in fp8); (0, False) for other ops."""
+def _built_in_executors() -> list[Executor]:
+    from .registry import known_executors
+    return list(known_executors().values())
+
+
+def gemm_flops(node: fx.Node, executors: Sequence[Executor] = ()) -> tuple[int, bool]:
+    """(matmul FLOPs of `node`, whether they run in fp8); (0, False) for other ops. aten's matmuls are
+    counted here; any other op by the first of `executors` whose `flops` hook knows it."""
+    for ex in executors:
+        counted = ex.flops(node)
+        if counted is not None:
+            return counted
     aten = torch.ops.aten
     shapes = [tuple(node_value(a).shape) if isinstance(a, fx.Node) and isinstance(node_value(a), torch.Tensor)
               else None for a in node.args]
@@ -386,14 +397,6 @@ def gemm_flops(node: fx.Node) -> tuple[int, bool]:
         if node.target is aten.bmm.default:
             a, b = shapes
             return 2 * a[0] * a[1] * a[2] * b[2], False
-        if getattr(node.target, "namespace", None) == "pipeline_te":
-            fp8 = bool(node.args[3])
-            if node.target._opname == "linear":
-                x, w = shapes[0], shapes[1]
-                return 2 * (math.prod(x) // x[-1]) * x[-1] * w[0], fp8
-            dy = shapes[0]
-            k = node_value(node)[0].shape[-1]
-            return 4 * math.prod(dy) * k, fp8
     except (TypeError, IndexError):  # symbolic sizes: not counted
         pass
     return 0, False

@@ -37,8 +37,8 @@ def resolve(executors: Sequence) -> list[Executor]:
         raise ValueError("executors is empty: list at least one, e.g. executors=['torch']")
     usable, missing = [], []
     for e in listed:
-        ok, reason = e.available()
-        (usable if ok else missing).append(e if ok else (e, reason))
+        availability = e.available()
+        (usable if availability else missing).append(e if availability else (e, availability.reason))
     if not usable:
         detail = "; ".join(f"{e.name}: {reason}" for e, reason in missing)
         raise RuntimeError(f"none of the listed executors is available here — {detail}")

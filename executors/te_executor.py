@@ -20,6 +20,7 @@ M, K, N not divisible by 16) stay ordinary linears, with the reason recorded.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional, Sequence
 
@@ -27,11 +28,11 @@ import torch
 import torch.fx as fx
 
 from ir import Trace, fake_like, node_value
+from ir.torch_ops import LINEARS
 
-from .base import Executor, cuda_library_missing
+from .base import PerModel, PreparesGraph, cuda_library_missing
+from .claims import ClaimTable
 from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, recipe_formats, te_dtype
-
-_LINEARS = {torch._C._nn.linear, torch.nn.functional.linear}
 
 
 # -- the custom ops ----------------------------------------------------------------------------------
@@ -145,9 +146,14 @@ te_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 # -- the executor ------------------------------------------------------------------------------------
-class TEExecutor(Executor):
+_CLAIMS = ClaimTable()
+_CLAIMS.register(torch.ops.pipeline_te.linear.default, torch.ops.pipeline_te.linear_backward.default)
+
+
+class TEExecutor(PerModel, PreparesGraph):
     name = "te"
     kind = "operator"
+    claims_table = _CLAIMS
 
     def __init__(self, fp8: bool = False, recipe=None, group_linears: bool | None = None):
         self.use_fp8 = fp8
@@ -230,8 +236,20 @@ class TEExecutor(Executor):
                                                            "transformer_engine.pytorch.cpp_extensions"],
                                     "install Transformer Engine on a CUDA machine")
 
-    def claims_op(self, op, node: fx.Node) -> bool:
-        return op in (torch.ops.pipeline_te.linear.default, torch.ops.pipeline_te.linear_backward.default)
+    def flops(self, node: fx.Node) -> tuple[int, bool] | None:
+        """The GEMM FLOPs of a `pipeline_te` op (a linear: one GEMM; its backward: dgrad and wgrad),
+        in fp8 when its `fp8` argument says so; None for other ops or symbolic sizes."""
+        if node.target not in _CLAIMS:
+            return None
+        fp8 = bool(node.args[3])
+        try:
+            if node.target is torch.ops.pipeline_te.linear.default:
+                x, w = node_value(node.args[0]).shape, node_value(node.args[1]).shape
+                return 2 * (math.prod(x) // x[-1]) * x[-1] * w[0], fp8
+            dy, k = node_value(node.args[0]).shape, node_value(node)[0].shape[-1]
+            return 4 * math.prod(dy) * k, fp8
+        except (TypeError, IndexError, AttributeError):  # symbolic sizes, no metadata: not counted
+            return None
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
         """The region (one TE op) calling the op's Python implementation directly: AOTAutograd has
@@ -243,19 +261,21 @@ class TEExecutor(Executor):
             node.target = _IMPLEMENTATIONS.get(node.target, node.target)
         return fx.GraphModule(gm, graph).forward
 
+    def passes_before_prepare(self) -> tuple[str, ...]:
+        """With `group_linears`, the pipeline groups the linears (`transforms.group_linears`) before
+        `prepare` swaps them, so each group becomes one TE GEMM."""
+        return ("group_linears",) if self.group_linears else ()
+
     def prepare(self, trace: Trace) -> tuple[Trace, list[tuple[str, str]]]:
         """Swaps each linear TE can take for `pipeline_te::linear` (before autodiff); returns the new
         trace and (op, reason) for the linears it left alone."""
-        if self.group_linears:
-            from transforms.group_linears import group_linears_in
-            trace = group_linears_in(trace)
         gm = trace.editable()
         notes = []
         specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], trace.inputs))  # what each input is
         notes += self._matmuls_with_a_weight_as_linears(gm, specs)
         device = None  # of the linears swapped, for the state allocated below
         for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target not in _LINEARS:
+            if node.op != "call_function" or node.target not in LINEARS:
                 continue
             reason = self._reject(node)
             if reason:

@@ -8,10 +8,11 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .base import Executor, keep_promised_strides, meta_strides_unreliable, promised_strides
+from .base import Cacheable
+from .graph_utils import keep_promised_strides, meta_strides_unreliable, promised_strides
 
 
-class TorchExecutor(Executor):
+class TorchExecutor(Cacheable):
     name = "torch"
     kind = "fusion"  # it takes whole regions, but compiles nothing: the region runs op by op
 
@@ -22,9 +23,6 @@ class TorchExecutor(Executor):
         return _with_promised_strides(gm)
 
     # Nothing compiled, nothing to store: a cached region is rebuilt from its graph.
-    def artifact_unsupported_reason(self, gm, example_inputs):
-        return None
-
     def save_region(self, fn) -> bytes:
         return b""
 

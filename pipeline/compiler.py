@@ -23,6 +23,7 @@ from executors import dispatch
 from ir import OutputSpec, Step, Trace, TraceError, get_logger, verify
 from ir.typecheck import check_types
 from transforms import TracePass
+from transforms.group_linears import group_linears_in
 from transforms.grouped_kv_attention import grouped_kv_attention_in
 
 from . import cuda_graphs
@@ -35,6 +36,20 @@ from .specs import captured_input_specs, lowered_input_specs, lowered_output_spe
 
 
 log = get_logger("compiler")
+
+
+# Built-in passes an executor may ask for by name (`passes_before_prepare`): executors do not import `transforms`.
+EXECUTOR_PASSES = {"group_linears": group_linears_in}
+
+
+def _executor_passes(executor, trace: Trace) -> Trace:
+    """`trace` through the built-in passes `executor` asks to run before its `prepare`."""
+    for name in executor.passes_before_prepare():
+        if name not in EXECUTOR_PASSES:
+            raise ValueError(f"executor {executor.name!r} asks for pass {name!r} before prepare; "
+                             f"built-in passes it may name: {sorted(EXECUTOR_PASSES)}")
+        trace = EXECUTOR_PASSES[name](trace)
+    return trace
 
 
 class PassError(RuntimeError):
@@ -91,7 +106,7 @@ class PipelineBackend:
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
         timed_verify(record, trace)
         for executor in state.executors:  # model-level swaps (stage 2), e.g. TE's linears
-            prepared, notes = executor.prepare(trace)
+            prepared, notes = executor.prepare(_executor_passes(executor, trace))
             record.fallbacks += notes
             if prepared is not trace:
                 check_built_in(trace, prepared, f"{executor.name}.prepare", record)

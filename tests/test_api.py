@@ -46,6 +46,17 @@ class Missing(Executor):
         return "the missing library is not installed (pip install missing)"
 
 
+def test_available_is_falsy_with_the_reason_when_the_executor_cannot_run():
+    """`if executors.nvfuser.available():` is false on a machine without nvFuser (not a truthy tuple)."""
+    import executors
+    missing, here = Missing().available(), executors.torch.available()
+    assert not missing and missing.reason == "the missing library is not installed (pip install missing)"
+    assert here and here.reason is None
+    for ex in (executors.nvfuser, executors.te):
+        assert bool(ex.available()) == (ex.unavailable_reason() is None)
+        assert ex.available().reason == ex.unavailable_reason()
+
+
 def test_only_unavailable_executors_is_an_error_naming_each(mlp):
     with pytest.raises(RuntimeError, match="missing: the missing library is not installed"):
         pipeline.jit(mlp, executors=[Missing()])
@@ -203,8 +214,7 @@ def test_profile_times_every_region_by_name(mlp, tmp_path):
 def test_gpu_executors_without_their_libraries_say_what_is_missing(mlp):
     import executors
     for name in ("nvfuser", "te"):
-        ok, reason = getattr(executors, name).available()
-        if ok:
+        if getattr(executors, name).available():
             continue
         with pytest.raises(RuntimeError, match=f"{name}: "):
             pipeline.jit(mlp, executors=[name])

@@ -97,9 +97,9 @@ def _executors(names):
 def _require(*names):
     import executors
     for n in names:
-        ok, reason = getattr(executors, n.split("-")[0]).available()
-        if not ok:
-            pytest.skip(reason)
+        availability = getattr(executors, n.split("-")[0]).available()
+        if not availability:
+            pytest.skip(availability.reason)
 
 
 @pytest.mark.parametrize("names", [["nvfuser"], ["te"], ["te", "nvfuser", "inductor"]])

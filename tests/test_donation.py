@@ -10,7 +10,8 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pipeline
-from executors.base import Executor, donated_inputs
+from executors.base import Executor
+from executors.graph_utils import donated_inputs
 from executors.inductor_executor import inductor_executor
 from executors.plan import mark_donated_inputs
 from helpers import assert_step_matches_eager

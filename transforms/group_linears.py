@@ -10,7 +10,8 @@ copy alive from forward to backward, a second copy of every grouped weight (0.9 
 in bf16; `recompute` tag, as activation checkpointing sets). The output is split along its last
 dim, so results equal the separate linears up to GEMM rounding. A piece is a strided slice; where the model `.view()`s it in a way a slice cannot be
 viewed (merging its last dim), that piece is copied contiguous first. Runs before autodiff, on the torch-level trace; with `te` listed, ask TE for it instead
-(`te.options(group_linears=True)`), since TE swaps the linears before the passes run.
+(`te.options(group_linears=True)`), since TE swaps the linears before the passes run: TE then names
+this pass in `passes_before_prepare()` and the pipeline runs it just before TE's `prepare`.
 """
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ir import Trace, fake_like, node_value
+from ir.torch_ops import LINEARS
 from ir.typecheck import refresh_values
 
 from .base import TracePass, pass_factory
 
-LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
+__all__ = ["group_linears", "group_linears_in", "LINEARS"]
 
 
 @pass_factory

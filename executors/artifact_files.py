@@ -1,0 +1,30 @@
+"""Where executors keep the files a cached artifact loads (Inductor's kernels); set by the pipeline's cache."""
+from __future__ import annotations
+
+import os
+import stat
+
+_artifact_files_root: list[str] = []  # set by the pipeline's cache once it has checked its root
+
+
+def set_artifact_files_root(path: str | None) -> None:
+    """Where executors keep the files of cached artifacts: a directory only this user can write
+    (the pipeline's cache checks it and calls this), or None while the cache is off."""
+    _artifact_files_root[:] = [path] if path else []
+
+
+def artifact_files_dir(name: str) -> str | None:
+    """`<root>/<name>` (made 0700) for an executor's files that a cached artifact loads (Inductor's
+    kernels): only this user can write there, so what was checked before loading stays as checked.
+    None while the cache is off; then an executor uses its library's own directories."""
+    if not _artifact_files_root:
+        return None
+    path = os.path.join(_artifact_files_root[0], name)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{path} is not a directory only you can write; remove it")
+    return path

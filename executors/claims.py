@@ -1,0 +1,46 @@
+"""`ClaimTable`: which ops an executor claims, as a table `{op: checker | None}`.
+
+An executor fills its table with `register` (JAX's rule tables, Thunder's `op -> checker`); the
+default `Executor.claims_op` reads it:
+
+    claims = ClaimTable()
+    claims.register(torch.ops.aten.mul.Tensor)                        # always claimed
+    claims.register(torch.ops.aten.sum.dim_IntList, checker=lambda node: len(node.args) > 1)
+    class MyFuser(Executor):
+        claims_table = claims
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import torch.fx as fx
+
+Checker = Callable[[fx.Node], bool]
+
+
+class ClaimTable:
+    """Ops and, for each, None (claimed as it stands) or a checker `fn(node) -> bool` deciding per node."""
+
+    def __init__(self) -> None:
+        self._rules: dict[object, Optional[Checker]] = {}
+
+    def register(self, *ops, checker: Optional[Checker] = None) -> None:
+        """Claims each of `ops` (OpOverloads or Python callables); `checker`, when given, decides per node."""
+        for op in ops:
+            self._rules[op] = checker
+
+    def claims(self, op, node: fx.Node) -> bool:
+        """Whether `op` is in the table and its checker, if any, accepts `node`."""
+        if op not in self._rules:
+            return False
+        check = self._rules[op]
+        return check is None or bool(check(node))
+
+    def __contains__(self, op) -> bool:
+        return op in self._rules
+
+    def __iter__(self) -> Iterator:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
