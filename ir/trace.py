@@ -11,6 +11,7 @@ change that, and wrap the result with `trace.derive(gm, by="my_pass")`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 from typing import Any, Optional, Sequence
 
@@ -18,23 +19,57 @@ import torch
 import torch.fx as fx
 
 
+class InputKind(enum.StrEnum):
+    """What a graph input is. A `str`: prints as its value and equals it (`kind == "parameter"`)."""
+    USER_INPUT = "user_input"
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    SYMINT = "symint"
+    SAVED = "saved"          # backward: a value the forward kept (an activation or a forward input)
+    TANGENT = "tangent"      # backward, joint: the gradient of a forward output
+    SEED = "seed"            # an RNG seed, offset or generator state AOTAutograd threads through
+
+
+class OutputKind(enum.StrEnum):
+    """What a graph output is. A `str`, like `InputKind`."""
+    USER_OUTPUT = "user_output"
+    MUTATED_INPUT = "mutated_input"          # written back to the input it names
+    INTERMEDIATE_BASE = "intermediate_base"  # the base of an output that is a view
+    SAVED = "saved"                          # forward: kept for the backward
+    GRAD = "grad"                            # backward: the gradient of the input it names
+    FORWARD_OUTPUT = "forward_output"        # joint: an output of its forward part
+
+
+class Stage(enum.StrEnum):
+    """Which program of the pipeline a trace is: the captured graph (and what the before-autodiff
+    passes make of it), the joint forward-backward graph, or one of AOTAutograd's partitions."""
+    CAPTURED = "captured"
+    JOINT = "joint"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    INFERENCE = "inference"
+
+
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
-    """What a graph input is. `kind`: user_input | parameter | buffer | symint | saved | tangent."""
-    kind: str
+    """What a graph input is (`InputKind`)."""
+    kind: InputKind
     name: str                       # placeholder name in the graph
     qualname: Optional[str] = None  # "layers.0.attn.wq.weight" for parameters and buffers
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", InputKind(self.kind))
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputSpec:
-    """What a graph output is. `kind`: user_output | mutated_input | intermediate_base | saved | grad.
-
-    `target` names what it belongs to: the input a mutation is written back to, the input a gradient
-    is for.
-    """
-    kind: str
+    """What a graph output is (`OutputKind`). `target` names what it belongs to: the input a
+    mutation is written back to, the input a gradient is for."""
+    kind: OutputKind
     target: Optional[str] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", OutputKind(self.kind))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +80,22 @@ class Step:
 
 
 class Trace:
-    """An immutable functional program: a graph module plus input/output specs and provenance."""
+    """An immutable functional program: a graph module plus input/output specs and provenance.
+    `stage` says which program of the pipeline it is (`Stage`; None for a trace made outside it)."""
 
-    __slots__ = ("_gm", "name", "level", "inputs", "outputs", "provenance")
+    __slots__ = ("_gm", "name", "level", "stage", "inputs", "outputs", "provenance")
 
     def __init__(self, gm: fx.GraphModule, *, name: str, level: str,
                  inputs: Sequence[InputSpec], outputs: Sequence[OutputSpec],
-                 provenance: Sequence[Step] = ()):
+                 provenance: Sequence[Step] = (), stage: Optional[Stage] = None):
         if level not in ("torch", "aten"):
             raise ValueError(f"Trace level must be 'torch' or 'aten', got {level!r}")
+        if stage is not None and stage not in tuple(Stage):
+            raise ValueError(f"Trace stage must be one of {[s.value for s in Stage]} or None, got {stage!r}")
         self._gm = gm
         self.name = name
         self.level = level
+        self.stage = None if stage is None else Stage(stage)
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.provenance = tuple(provenance)
@@ -111,8 +150,8 @@ class Trace:
     def derive(self, gm: fx.GraphModule, *, by: str, seconds: float = 0.0, name: Optional[str] = None,
                level: Optional[str] = None, inputs: Optional[Sequence[InputSpec]] = None,
                outputs: Optional[Sequence[OutputSpec]] = None) -> "Trace":
-        """A new trace made from this one by the stage or pass `by`."""
-        return Trace(gm, name=name or self.name, level=level or self.level,
+        """A new trace made from this one by the stage or pass `by` (of the same `stage`)."""
+        return Trace(gm, name=name or self.name, level=level or self.level, stage=self.stage,
                      inputs=self.inputs if inputs is None else inputs,
                      outputs=self.outputs if outputs is None else outputs,
                      provenance=self.provenance + (Step(by, seconds),))
@@ -129,7 +168,8 @@ class Trace:
 
     def __repr__(self) -> str:
         made_by = " → ".join(s.name for s in self.provenance) or "-"
-        return f"<Trace {self.name!r} level={self.level} ops={len(self.ops())} made by: {made_by}>"
+        stage = f" stage={self.stage}" if self.stage is not None else ""
+        return f"<Trace {self.name!r} level={self.level}{stage} ops={len(self.ops())} made by: {made_by}>"
 
 
 def node_value(node: fx.Node) -> Any:

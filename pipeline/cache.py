@@ -78,10 +78,10 @@ def graph_key(gm, example_inputs, state) -> str:
     parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}",
              f"pipeline {pipeline_source_hash()}", gm.code]
     parts += [value_signature(v) for v in example_inputs]
-    parts += [f"owner {state.owners.get(id(v))}" for v in example_inputs]
-    parts += [pass_identity(p) for p in state.passes]
-    parts += [f"executor {e.name} {e.cache_token()}" for e in state.executors]
-    for qualname, r in sorted(state.replaced.items()):
+    parts += [f"owner {state.config.owners.get(id(v))}" for v in example_inputs]
+    parts += [pass_identity(p) for p in state.config.passes]
+    parts += [f"executor {e.name} {e.cache_token()}" for e in state.config.executors]
+    for qualname, r in sorted(state.config.replaced.items()):
         parts.append(f"replaced {qualname} {stable_repr(r.transform)} "
                      f"{[(s, value_signature(t)) for s, t in r.tensors.items()]}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
@@ -266,7 +266,7 @@ class GraphCache:
     def open(cls, gm, example_inputs, state, record) -> Optional["GraphCache"]:
         start = time.perf_counter()
         try:
-            reason = disabled_reason(state.cache)
+            reason = disabled_reason(state.config.cache)
             if reason is None:
                 try:
                     trusted_key(cache_root())

@@ -141,9 +141,9 @@ class Checkpoint(contextlib.ExitStack):
 
 def _unsharded_state(cm, sharded) -> dict:
     """The state dict without the row-sharded parameters (and their extra state)."""
-    replaced = {q: r for q, r in cm._state.replaced.items() if q not in sharded}
+    replaced = {q: r for q, r in cm._state.config.replaced.items() if q not in sharded}
     out = model_state.state_dict(cm._original.state_dict(), replaced)
-    for executor in cm._state.executors:
+    for executor in cm._state.config.executors:
         out.update(executor.extra_state())
     return {k: v for k, v in out.items() if k not in sharded}
 
@@ -203,7 +203,8 @@ def _param_rows(cm) -> dict[int, tuple[int, int]]:
 
 def _row_sharded(cm) -> dict:
     """The replaced parameters of which this rank holds only some rows."""
-    replaced = getattr(getattr(cm, "_state", None), "replaced", {}) or {}
+    state = getattr(cm, "_state", None)
+    replaced = state.config.replaced if state is not None else {}
     return {q: r for q, r in replaced.items() if r.transform.row_shard(r.original) is not None}
 
 

@@ -20,7 +20,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import CompileContext, TracingContext
 
 from executors import dispatch
-from ir import OutputSpec, Step, Trace, TraceError, get_logger, verify
+from ir import OutputKind, OutputSpec, Stage, Step, Trace, TraceError, get_logger, verify
 from ir.typecheck import check_types
 from transforms import TracePass
 from transforms.group_linears import group_linears_in
@@ -68,11 +68,11 @@ class PipelineBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence):
         state = self.state
         compile_id = CompileContext.current_compile_id()
-        record = GraphRecord(f"g{len(state.records)}", str(compile_id) if compile_id else "?",
-                             state.generation)
+        record = GraphRecord(f"g{len(state.history.records)}", str(compile_id) if compile_id else "?",
+                             state.history.generation)
         if compile_id is not None and getattr(compile_id, "frame_compile_id", 0):
-            state.recompiles += 1
-        state.records.append(record)
+            state.history.recompiles += 1
+        state.history.records.append(record)
         start = time.perf_counter()
         log.info("%s: captured %d ops (Dynamo frame %s)", record.graph_id,
                  sum(n.op.startswith("call") for n in gm.graph.nodes), record.compile_id)
@@ -81,9 +81,9 @@ class PipelineBackend:
         except (PassError, PipelineFallbackError, Warning):  # a Warning: warnings are errors here
             raise
         except Exception as e:  # model code the pipeline cannot lower runs in eager, loudly
-            if state.replaced:  # the captured graph reads stand-ins for the transformed parameters
+            if state.config.replaced:  # the captured graph reads stand-ins for the transformed parameters
                 raise RuntimeError(f"pipeline: graph {record.graph_id} of a model changed by "
-                                   f"{sorted({r.transform.name for r in state.replaced.values()})} could "
+                                   f"{sorted({r.transform.name for r in state.config.replaced.values()})} could "
                                    f"not be compiled, and cannot run in eager on the original parameters "
                                    f"(they were replaced): {type(e).__name__}: {e}") from e
             record.eager_fallback = f"{type(e).__name__}: {str(e).strip()[:500]}"
@@ -97,15 +97,16 @@ class PipelineBackend:
         for node in gm.graph.nodes:  # Dynamo keeps fake values under "example_value"
             if "val" not in node.meta and "example_value" in node.meta:
                 node.meta["val"] = node.meta["example_value"]
-        specs = captured_input_specs(gm, example_inputs, state.owners)
-        outputs = [OutputSpec("user_output")] * _num_outputs(gm)
+        specs = captured_input_specs(gm, example_inputs, state.config.owners)
+        outputs = [OutputSpec(OutputKind.USER_OUTPUT)] * _num_outputs(gm)
         captured = record.add_trace(Trace(gm, name=f"{record.graph_id}_captured", level=self.level,
-                                          inputs=specs, outputs=outputs, provenance=(Step(self.capture),)))
+                                          stage=Stage.CAPTURED, inputs=specs, outputs=outputs,
+                                          provenance=(Step(self.capture),)))
         cache = GraphCache.open(gm, example_inputs, state, record)
         wrappers = graph_wrappers(state)  # e.g. model-changing transforms (stage 2) feed their tensors
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
         timed_verify(record, trace)
-        for executor in state.executors:  # model-level swaps (stage 2), e.g. TE's linears
+        for executor in state.config.executors:  # model-level swaps (stage 2), e.g. TE's linears
             prepared, notes = executor.prepare(_executor_passes(executor, trace))
             record.fallbacks += notes
             if prepared is not trace:
@@ -122,7 +123,7 @@ class PipelineBackend:
             bw_compiler=functools.partial(stage, "backward"),
             inference_compiler=functools.partial(stage, "inference"),
             partition_fn=functools.partial(self._partition, record=record, captured=trace),
-            decompositions={op: fn for ex in state.executors
+            decompositions={op: fn for ex in state.config.executors
                             for op, fn in ex.decompositions_before_partition().items()},
         )
         inner = sum(record.seconds.values()) - inner_before
@@ -149,11 +150,11 @@ class PipelineBackend:
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
         """AOTAutograd's partition hook: joint passes run here, then the min-cut partitioner (which
         saves no fp32 value computed from one upcast half-precision value: `save_policy.py`)."""
-        passes = [p for p in self.state.passes if p.runs_on == "joint"]
+        passes = [p for p in self.state.config.passes if p.runs_on == "joint"]
         if passes:
-            trace = Trace(joint, name=f"{record.graph_id}_joint", level="aten",
-                          inputs=lowered_input_specs(joint, captured.inputs, "joint"),
-                          outputs=lowered_output_specs(joint, captured.inputs, "joint",
+            trace = Trace(joint, name=f"{record.graph_id}_joint", level="aten", stage=Stage.JOINT,
+                          inputs=lowered_input_specs(joint, captured.inputs, Stage.JOINT),
+                          outputs=lowered_output_specs(joint, captured.inputs, Stage.JOINT,
                                                        num_forward_outputs=kwargs["num_fwd_outputs"]),
                           provenance=captured.provenance + (Step("lower (joint)"),))
             trace = self._run_passes("joint", record.add_trace(trace), record)
@@ -166,7 +167,7 @@ class PipelineBackend:
         """AOTAutograd's compiler hook for the forward, backward or inference graph."""
         ctx = TracingContext.try_get()
         meta = getattr(ctx, "fw_metadata", None) if ctx else None
-        trace = Trace(gm, name=f"{record.graph_id}_{stage}", level="aten",
+        trace = Trace(gm, name=f"{record.graph_id}_{stage}", level="aten", stage=Stage(stage),
                       inputs=lowered_input_specs(gm, captured.inputs, stage),
                       outputs=lowered_output_specs(gm, captured.inputs, stage, meta),
                       provenance=captured.provenance + (Step(f"lower ({stage})"),))
@@ -181,8 +182,8 @@ class PipelineBackend:
         trace = self._run_passes("after_autodiff", trace, record)
         donated = [i for i, n in enumerate(trace.placeholders()) if n.name in donated_names]
         start = time.perf_counter()
-        execution = dispatch(trace, self.state.executors, stage=stage, graph_id=record.graph_id,
-                             first_region_id=sum(len(r.regions) for r in self.state.records),
+        execution = dispatch(trace, self.state.config.executors, stage=stage, graph_id=record.graph_id,
+                             first_region_id=sum(len(r.regions) for r in self.state.history.records),
                              artifacts=cache.artifacts if cache is not None else None, donated=donated,
                              on_fallback=functools.partial(report_fallback, self.state))
         record.seconds["dispatch"] += time.perf_counter() - start
@@ -201,13 +202,13 @@ class PipelineBackend:
         if cache is not None:
             cache.stage_done(stage, lowered, execution, executed)
         fn = BoxedStage().post_compile(executed.module)
-        if self.state.cuda_graphs:
+        if self.state.config.cuda_graphs:
             fn = cuda_graphs.stage_callable(fn, trace, example_inputs, stage=stage, record=record,
-                                            executors=self.state.executors)
+                                            executors=self.state.config.executors)
         return fn
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:
-        for p in self.state.passes:
+        for p in self.state.config.passes:
             if p.runs_on == where:
                 trace = record.add_trace(run_pass(p, trace, record))
         return trace
@@ -239,8 +240,8 @@ def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
     record.seconds["passes"] += seconds
     record.seconds["verify"] += time.perf_counter() - start_check
     if len(out.provenance) <= len(trace.provenance):
-        out = Trace(out.module, name=out.name, level=out.level, inputs=out.inputs, outputs=out.outputs,
-                    provenance=out.provenance + (Step(p.name, seconds),))
+        out = Trace(out.module, name=out.name, level=out.level, stage=out.stage, inputs=out.inputs,
+                    outputs=out.outputs, provenance=out.provenance + (Step(p.name, seconds),))
     return out
 
 

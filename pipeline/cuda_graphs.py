@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ir import Trace
+from ir import InputKind, Stage, Trace
 
 
 def stage_callable(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage: str, record,
@@ -81,7 +81,7 @@ def record_stage(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage:
     replayed through cudagraph trees."""
     from torch._inductor.cudagraph_trees import cudagraphify_impl
     from torch._inductor.cudagraph_utils import get_placeholder_info
-    run = cudagraphify_impl(fn, list(example_inputs), static_inputs(trace, stage),
+    run = cudagraphify_impl(fn, list(example_inputs), static_inputs(trace),
                             device_index=_device_of(trace).index or 0,
                             is_backward=stage == "backward", is_inference=stage == "inference",
                             stack_traces=[None] * len(trace.output_values()),  # per output, for its error messages
@@ -90,13 +90,12 @@ def record_stage(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage:
     return run
 
 
-def static_inputs(trace: Trace, stage: str) -> list[int]:
+def static_inputs(trace: Trace) -> list[int]:
     """Inputs at the same address on every call: parameters and buffers; in a backward, everything
     but the tangents and RNG seeds (the saved activations come from the recorded forward)."""
-    if stage == "backward":
-        moving = ("tangents", "bwd_seed", "bwd_base_offset", "bwd_rng_state")
-        return [i for i, s in enumerate(trace.inputs) if s.kind != "tangent" and not any(m in s.name for m in moving)]
-    return [i for i, s in enumerate(trace.inputs) if s.kind in ("parameter", "buffer")]
+    if trace.stage == Stage.BACKWARD:
+        return [i for i, s in enumerate(trace.inputs) if s.kind not in (InputKind.TANGENT, InputKind.SEED)]
+    return [i for i, s in enumerate(trace.inputs) if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)]
 
 
 def _cuda_available() -> bool:

@@ -24,8 +24,8 @@ class PipelineFallbackError(RuntimeError):
 
 def report_fallback(state, message: str, cause: BaseException | None = None) -> None:
     """Counts, logs and warns about one fallback (or raises, under `fallback="raise"`)."""
-    state.fallbacks.append(message)
+    state.history.fallbacks.append(message)
     log.info("fallback: %s", message)
-    if state.fallback == "raise":
+    if state.config.fallback == "raise":
         raise PipelineFallbackError(f"pipeline (fallback='raise'): {message}") from cause
     warnings.warn(f"pipeline: {message}", PipelineFallbackWarning, stacklevel=2)

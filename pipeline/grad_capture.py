@@ -104,7 +104,7 @@ class GradCapture:
         entry = self.cache.get(key)
         if entry is None:
             if self.cache:
-                self.state.recompiles += 1
+                self.state.history.recompiles += 1
             entry = self.cache[key] = self._compile(params, buffers, flat_args, in_spec)
         tensors = [*params.values(), *buffers.values(), *(a for a in flat_args if isinstance(a, torch.Tensor))]
         return pytree.tree_unflatten(list(entry.compiled(*tensors)), entry.out_spec)

@@ -55,17 +55,17 @@ class RegionTable(list):
 
 def regions(cm) -> RegionTable:
     """Every region of every compiled graph: id, graph, stage, executor, ops, input/output shapes."""
-    return RegionTable(r for rec in _state(cm).records for r in rec.regions)
+    return RegionTable(r for rec in _state(cm).history.records for r in rec.regions)
 
 
 def last_traces(cm) -> list[Trace]:
     """The traces of every stage for the graphs compiled by the latest call that compiled, in
     pipeline order (captured first, execution traces last)."""
-    state = _state(cm)
-    if not state.records:
+    records = _state(cm).history.records
+    if not records:
         raise RuntimeError("nothing compiled yet: call the jitted model first")
-    latest = max(r.generation for r in state.records)
-    return [t for rec in state.records if rec.generation == latest for t in rec.traces]
+    latest = max(r.generation for r in records)
+    return [t for rec in records if rec.generation == latest for t in rec.traces]
 
 
 def _fallback_mark(reason) -> str:
@@ -119,29 +119,29 @@ class CompileStats:
 
 
 def compile_stats(cm) -> CompileStats:
-    state = _state(cm)
+    history = _state(cm).history
     seconds: dict[str, float] = defaultdict(float)
-    seconds["capture"] = state.capture_seconds
+    seconds["capture"] = history.capture_seconds
     decomposed: dict[str, int] = defaultdict(int)
-    for rec in state.records:
+    for rec in history.records:
         for k, v in rec.seconds.items():
             if k != "total":
                 seconds[k] += v
         for op in rec.decomposed:
             decomposed[op] += 1
     return CompileStats(
-        graphs=len(state.records), graph_breaks=list(state.graph_breaks),
-        recompilations=state.recompiles, seconds=dict(seconds),
-        recompile_reasons=[r.recompile_reason for r in state.records if r.recompile_reason],
-        eager_fallbacks={r.graph_id: r.eager_fallback for r in state.records if r.eager_fallback},
-        op_fallbacks=[(r.graph_id, op, why) for r in state.records for op, why in r.fallbacks],
-        region_fallbacks=[(g.id, g.fallback_reason) for r in state.records for g in r.regions
+        graphs=len(history.records), graph_breaks=list(history.graph_breaks),
+        recompilations=history.recompiles, seconds=dict(seconds),
+        recompile_reasons=[r.recompile_reason for r in history.records if r.recompile_reason],
+        eager_fallbacks={r.graph_id: r.eager_fallback for r in history.records if r.eager_fallback},
+        op_fallbacks=[(r.graph_id, op, why) for r in history.records for op, why in r.fallbacks],
+        region_fallbacks=[(g.id, g.fallback_reason) for r in history.records for g in r.regions
                           if g.fallback_reason],
         decomposed=dict(decomposed),
-        cache={r.graph_id: r.cache for r in state.records if r.cache},
-        cache_notes=[(r.graph_id, n) for r in state.records for n in r.cache_notes],
-        cuda_graphs={f"{r.graph_id} {stage}": v for r in state.records for stage, v in r.cuda_graphs.items()},
-        fallbacks=list(state.fallbacks))
+        cache={r.graph_id: r.cache for r in history.records if r.cache},
+        cache_notes=[(r.graph_id, n) for r in history.records for n in r.cache_notes],
+        cuda_graphs={f"{r.graph_id} {stage}": v for r in history.records for stage, v in r.cuda_graphs.items()},
+        fallbacks=list(history.fallbacks))
 
 
 @dataclasses.dataclass

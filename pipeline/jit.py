@@ -17,6 +17,7 @@ import torch
 import torch._dynamo
 
 from executors import Executor, resolve
+from ir import InputKind
 from transforms import TracePass, as_pass
 from transforms.materialize import Materialize
 from transforms.model_transform import ModelTransform
@@ -33,28 +34,40 @@ class GraphBreakError(RuntimeError):
     """`fullgraph=True` and Dynamo had to break the graph; names the reason and the user's line."""
 
 
-@dataclasses.dataclass
-class CompileState:
-    """Everything the pipeline keeps for one jitted model."""
-    executors: list[Executor]
-    passes: list[TracePass]
-    owners: dict[int, tuple[str, str]]      # id(tensor) -> (parameter|buffer, qualified name)
-    fullgraph: bool = False
+@dataclasses.dataclass(frozen=True)
+class JitConfig:
+    """What `jit` fixed for a model, the same at every call: `state.config`."""
+    executors: tuple[Executor, ...]
+    passes: tuple[TracePass, ...]
+    owners: dict[int, tuple[str, str]]       # id(tensor) -> (parameter|buffer, qualified name)
     replaced: dict = dataclasses.field(default_factory=dict)  # qualname -> model_state.Replaced
-    records: list[GraphRecord] = dataclasses.field(default_factory=list)
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+    cache: bool = True                       # use the compiled-artifact cache (pipeline/cache.py)
+    cuda_graphs: bool = False                # record each stage as a CUDA graph (pipeline/cuda_graphs.py)
+    fallback: str = "warn"                   # "warn" | "raise": what a fallback to eager does (fallbacks.py)
+    call_hooks: tuple = ()                   # executors' before_call
+
+
+@dataclasses.dataclass
+class CallHistory:
+    """What the calls of a jitted model add to: `state.history`."""
+    records: list[GraphRecord] = dataclasses.field(default_factory=list)  # every compiled graph
     graph_breaks: list[str] = dataclasses.field(default_factory=list)
     recompiles: int = 0
     generation: int = 0                      # number of calls that compiled something
     capture_seconds: float = 0.0
-    dynamic: Optional[bool] = None
-    call_hooks: list = dataclasses.field(default_factory=list)  # executors' before_call
     first_shapes: Optional[tuple] = None     # input shapes of the first call (automatic dynamic)
     generalized: bool = False                # whether a shape change already made inputs dynamic
-    cache: bool = True                       # use the compiled-artifact cache (pipeline/cache.py)
-    cuda_graphs: bool = False                # record each stage as a CUDA graph (pipeline/cuda_graphs.py)
-    fallback: str = "warn"                   # "warn" | "raise": what a fallback to eager does (fallbacks.py)
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # every fallback, in order
     calls: int = 0                           # calls of the jitted model that returned
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileState:
+    """Everything the pipeline keeps for one jitted model: what jit fixed, and what the calls added."""
+    config: JitConfig
+    history: CallHistory = dataclasses.field(default_factory=CallHistory)
 
 
 def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transforms: Sequence = (),
@@ -102,10 +115,10 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         dynamic = False  # one graph per input shape (a stage with dynamic shapes cannot be recorded)
     resolved = [e.for_model() for e in resolve(executors)]
     passes, replaced = _apply_transforms(model_or_fn, list(transforms))
-    state = CompileState(executors=resolved, passes=passes, owners=_owners(model_or_fn),
-                         fullgraph=fullgraph, replaced=replaced, dynamic=dynamic, cache=cache,
-                         cuda_graphs=cuda_graphs, fallback=fallback)
-    state.call_hooks = [e.before_call for e in resolved if type(e).before_call is not Executor.before_call]
+    hooks = tuple(e.before_call for e in resolved if type(e).before_call is not Executor.before_call)
+    state = CompileState(JitConfig(executors=tuple(resolved), passes=tuple(passes), owners=_owners(model_or_fn),
+                                   replaced=replaced, fullgraph=fullgraph, dynamic=dynamic, cache=cache,
+                                   cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks))
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)
     else:
@@ -185,29 +198,30 @@ def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], d
 def _owners(obj) -> dict[int, tuple[str, str]]:
     if not isinstance(obj, torch.nn.Module):
         return {}
-    owners = {id(b): ("buffer", n) for n, b in obj.named_buffers(remove_duplicate=False)}
-    owners.update({id(p): ("parameter", n) for n, p in obj.named_parameters(remove_duplicate=False)})
+    owners = {id(b): (InputKind.BUFFER, n) for n, b in obj.named_buffers(remove_duplicate=False)}
+    owners.update({id(p): (InputKind.PARAMETER, n) for n, p in obj.named_parameters(remove_duplicate=False)})
     return owners
 
 
 def _call(runner, state: CompileState, args, kwargs):
     """Runs the compiled callable; notes graph breaks and capture time when this call compiled."""
     from torch._dynamo.utils import counters
-    if state.dynamic is None and not state.generalized and not isinstance(runner, GradCapture):
-        _generalize_on_shape_change(state, args, kwargs)
-    for hook in state.call_hooks:
+    config, history = state.config, state.history
+    if config.dynamic is None and not history.generalized and not isinstance(runner, GradCapture):
+        _generalize_on_shape_change(history, args, kwargs)
+    for hook in config.call_hooks:
         hook()
-    if state.cuda_graphs and isinstance(runner, GradCapture):
+    if config.cuda_graphs and isinstance(runner, GradCapture):
         # a new step for the CUDA graph trees, which count Dynamo's frame entries; this path has none
         torch._dynamo.mutation_guard.GenerationTracker.generation += 1
-    n_records = len(state.records)
+    n_records = len(history.records)
     breaks_before = _raw_break_counts(counters)  # cheap copies; parsed only if this call compiled
     start = time.perf_counter()
     _give_ups.calls.append([])
     try:
         out = runner(*args, **kwargs)
     except torch._dynamo.exc.Unsupported as e:
-        if state.fullgraph:
+        if config.fullgraph:
             raise GraphBreakError(_graph_break_message(e)) from e
         raise
     except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -216,43 +230,43 @@ def _call(runner, state: CompileState, args, kwargs):
         raise
     finally:
         gave_up = _give_ups.calls.pop()
-    state.calls += 1
-    compiled_nothing = not state.records and state.calls == 1
-    if len(state.records) != n_records or compiled_nothing:
-        state.generation += 1
-        for record in state.records[n_records:]:
-            record.generation = state.generation
-        backend = sum(r.seconds["total"] for r in state.records[n_records:])
-        state.capture_seconds += time.perf_counter() - start - backend
+    history.calls += 1
+    compiled_nothing = not history.records and history.calls == 1
+    if len(history.records) != n_records or compiled_nothing:
+        history.generation += 1
+        for record in history.records[n_records:]:
+            record.generation = history.generation
+        backend = sum(r.seconds["total"] for r in history.records[n_records:])
+        history.capture_seconds += time.perf_counter() - start - backend
         before = _break_counts(breaks_before)
         for reason, count in _break_counts(_raw_break_counts(counters)).items():
-            state.graph_breaks += [reason] * (count - before.get(reason, 0))
-        _note_recompile_reasons(state.records[n_records:])
+            history.graph_breaks += [reason] * (count - before.get(reason, 0))
+        _note_recompile_reasons(history.records[n_records:])
     if compiled_nothing and not gave_up:  # Dynamo found nothing to compile, and said nothing
-        gave_up = [f"the first call compiled no graph (graph breaks: {'; '.join(state.graph_breaks) or 'none'})"]
+        gave_up = [f"the first call compiled no graph (graph breaks: {'; '.join(history.graph_breaks) or 'none'})"]
     for message in gave_up:
         report_fallback(state, "Dynamo stopped compiling a frame, which runs in eager: "
                         + " ".join(message.split("\n")[:3]))
     return out
 
 
-def _generalize_on_shape_change(state: CompileState, args, kwargs) -> None:
+def _generalize_on_shape_change(history: CallHistory, args, kwargs) -> None:
     """Automatic dynamic, in one step: at the first call whose input shapes differ from the first
     call's, every dim of a changed input becomes dynamic except a floating-point tensor's last (its
     feature size) — so a new batch size and later a new sequence length cost one recompilation,
     not one each. Tensors nested in containers are left to Dynamo's own automatic dynamic."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]  # cheap: every call
     shapes = tuple(tuple(t.shape) for t in tensors)
-    if state.first_shapes is None:
-        state.first_shapes = shapes
+    if history.first_shapes is None:
+        history.first_shapes = shapes
         return
-    if shapes == state.first_shapes:
+    if shapes == history.first_shapes:
         return
-    for t, first in zip(tensors, state.first_shapes):
+    for t, first in zip(tensors, history.first_shapes):
         if tuple(t.shape) != first and t.dim() > 0:
             last = t.dim() - 1 if t.is_floating_point() and t.dim() > 1 else t.dim()
             torch._dynamo.maybe_mark_dynamic(t, list(range(last)))
-    state.generalized = True
+    history.generalized = True
 
 
 def _note_recompile_reasons(records) -> None:
@@ -311,7 +325,7 @@ class JittedModule(torch.nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The parameters the compiled code runs on: the original's, except those a model transform
         replaced, which appear as their new tensors (`fc.weight.q`, `fc.weight.scale`)."""
-        replaced = self._state.replaced
+        replaced = self._state.config.replaced
         for name, param in self._original.named_parameters(prefix="", recurse=recurse,
                                                             remove_duplicate=remove_duplicate):
             if name in replaced:
@@ -323,7 +337,7 @@ class JittedModule(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         """`.to()`, `.cuda()`, `.double()`, ... also reach the tensors model transforms own."""
         super()._apply(fn, recurse)
-        for r in self._state.replaced.values():
+        for r in self._state.config.replaced.values():
             for tensor in r.tensors.values():
                 tensor.data = fn(tensor.data)
             dtype = fn(torch.zeros(1, dtype=r.original.dtype)).dtype  # `original` stays on meta
@@ -332,19 +346,19 @@ class JittedModule(torch.nn.Module):
 
     def state_dict(self, *args, **kwargs):
         """The original model's state dict (keys and full shapes), whatever transforms did."""
-        out = model_state.state_dict(self._original.state_dict(*args, **kwargs), self._state.replaced)
-        for executor in self._state.executors:  # e.g. TE's fp8 scaling state, `<module>._extra_state.*`
+        out = model_state.state_dict(self._original.state_dict(*args, **kwargs), self._state.config.replaced)
+        for executor in self._state.config.executors:  # e.g. TE's fp8 scaling state, `<module>._extra_state.*`
             out.update(executor.extra_state())
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         taken = set()
-        for executor in self._state.executors:
+        for executor in self._state.config.executors:
             taken |= executor.load_extra_state(state_dict)
         if taken:
             state_dict = {k: v for k, v in state_dict.items() if k not in taken}
-        if self._state.replaced:
-            return model_state.load_state_dict(self._original, state_dict, self._state.replaced, strict)
+        if self._state.config.replaced:
+            return model_state.load_state_dict(self._original, state_dict, self._state.config.replaced, strict)
         return self._original.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getattr__(self, name: str) -> Any:
@@ -361,14 +375,14 @@ class JittedModule(torch.nn.Module):
         pipeline does not capture: it runs uncompiled, and says so."""
         @functools.wraps(generate)
         def run(*args, **kwargs):
-            if not any(m.startswith("generate()") for m in self._state.fallbacks):  # once a model
+            if not any(m.startswith("generate()") for m in self._state.history.fallbacks):  # once a model
                 report_fallback(self._state, "generate() runs the original model uncompiled (its decoding "
                                             "loop calls the model's own forward); call the jitted model for compiled steps")
             return generate(*args, **kwargs)
         return run
 
     def extra_repr(self) -> str:
-        return f"executors={[e.name for e in self._state.executors]}"
+        return f"executors={[e.name for e in self._state.config.executors]}"
 
 
 class JittedFunction:

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from ir import InputSpec, PipelineWarning, Trace, node_value
+from ir import InputKind, InputSpec, PipelineWarning, Trace, node_value
 from transforms.chain import for_parameter
 from transforms.materialize import casts_message, lacks_message
 from transforms.model_transform import ModelTransform
@@ -115,7 +115,7 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
     fake_mode = next((node_value(n).fake_mode for n in placeholders if hasattr(node_value(n), "fake_mode")), None)
     specs, inputs, plan, rebuild = [], [], [], []
     for node, spec, value in zip(placeholders, trace.inputs, example_inputs):
-        r = replaced.get(spec.qualname) if spec.kind == "parameter" else None
+        r = replaced.get(spec.qualname) if spec.kind == InputKind.PARAMETER else None
         if r is None:
             specs.append(spec)
             inputs.append(value)
@@ -128,7 +128,7 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
                 fake = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode is not None else tensor
                 p.meta["val"] = p.meta["example_value"] = fake
                 new[suffix] = p
-                specs.append(InputSpec("parameter", p.name, f"{spec.qualname}.{suffix}"))
+                specs.append(InputSpec(InputKind.PARAMETER, p.name, f"{spec.qualname}.{suffix}"))
                 inputs.append(fake)  # static: lowering must not give these sizes symbols
         plan.append(r)
         rebuild.append((node, r, new))

@@ -83,7 +83,7 @@ class BoxedStage(RuntimeWrapper):
 
 def graph_wrappers(state) -> list[RuntimeWrapper]:
     """The chain around one captured graph's compiled code."""
-    return [ModelTransformInputs(state.replaced)] if state.replaced else []
+    return [ModelTransformInputs(state.config.replaced)] if state.config.replaced else []
 
 
 def pre_compile_all(wrappers: list[RuntimeWrapper], trace: Trace, example_inputs: list, record) -> tuple[Trace, list]:

@@ -6,7 +6,11 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ir import InputSpec, OutputSpec
+from torch._functorch._aot_autograd.descriptors import (
+    BackwardTokenAOTInput, PhiloxBackwardBaseOffsetAOTInput, PhiloxBackwardSeedAOTInput,
+    PhiloxForwardBaseOffsetAOTInput, PhiloxForwardSeedAOTInput, PlainAOTInput)
+
+from ir import InputKind, InputSpec, OutputKind, OutputSpec, Stage, node_value
 
 
 def captured_input_specs(gm: fx.GraphModule, example_inputs: Sequence,
@@ -17,7 +21,7 @@ def captured_input_specs(gm: fx.GraphModule, example_inputs: Sequence,
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
         if isinstance(value, (int, torch.SymInt)):
-            specs.append(InputSpec("symint", node.name))
+            specs.append(InputSpec(InputKind.SYMINT, node.name))
         elif id(value) in owners:
             kind, qualname = owners[id(value)]
             specs.append(InputSpec(kind, node.name, qualname))
@@ -26,52 +30,65 @@ def captured_input_specs(gm: fx.GraphModule, example_inputs: Sequence,
     return specs
 
 
-def lowered_input_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: str) -> list[InputSpec]:
-    """Specs of an AOTAutograd graph's inputs: the captured inputs (forward/inference), or saved
-    values and tangents (backward)."""
+def lowered_input_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: Stage) -> list[InputSpec]:
+    """Specs of an AOTAutograd graph's inputs, read from the descriptor AOTAutograd puts on each
+    placeholder (`meta["desc"]`): the captured input it is (forward, inference, joint), a tangent, an
+    RNG seed; in a backward, a forward input or activation saved for it, or a tangent."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if stage == "backward":
-        return [_backward_input_spec(n, captured) for n in placeholders]
-    out = []
-    for i, n in enumerate(placeholders):
-        if n.name.startswith("tangents"):
-            out.append(InputSpec("tangent", n.name))
-            continue
-        c = captured[i] if i < len(captured) else InputSpec("user_input", n.name)
-        out.append(InputSpec(c.kind, n.name, c.qualname))
-    return out
+    return [_lowered_input_spec(n, i, captured, stage) for i, n in enumerate(placeholders)]
 
 
-def _backward_input_spec(node: fx.Node, captured: Sequence[InputSpec]) -> InputSpec:
-    """A backward input is a tangent, a forward input saved for backward (AOTAutograd names those
-    primals_<k>: it keeps the qualified name), or a saved activation."""
-    if node.name.startswith("tangents"):
-        return InputSpec("tangent", node.name)
-    if node.name.startswith("primals_") and node.name[8:].isdigit():
-        k = int(node.name[8:]) - 1
-        if k < len(captured):
-            return InputSpec("saved", node.name, captured[k].qualname or captured[k].name)
-    return InputSpec("saved", node.name)
+def _lowered_input_spec(node: fx.Node, position: int, captured: Sequence[InputSpec], stage: Stage) -> InputSpec:
+    desc = node.meta.get("desc")
+    if isinstance(desc, BackwardTokenAOTInput) or (desc is not None and desc.is_tangent()):
+        return InputSpec(InputKind.TANGENT, node.name)
+    if isinstance(desc, _SEEDS) or isinstance(node_value(node), torch.Generator):  # graph-safe RNG state
+        return InputSpec(InputKind.SEED, node.name)
+    if stage == Stage.BACKWARD:  # a forward input saved for backward keeps its qualified name
+        origin = _captured_input(desc, captured)
+        return InputSpec(InputKind.SAVED, node.name, origin and (origin.qualname or origin.name))
+    if desc is None:  # not from AOTAutograd's tracing: the captured inputs, in order
+        origin = captured[position] if position < len(captured) else None
+    else:
+        origin = _captured_input(desc, captured)
+    if origin is None:
+        return InputSpec(InputKind.USER_INPUT, node.name)
+    return InputSpec(origin.kind, node.name, origin.qualname)
 
 
-def lowered_output_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: str,
+_SEEDS = (PhiloxForwardSeedAOTInput, PhiloxForwardBaseOffsetAOTInput, PhiloxBackwardSeedAOTInput,
+          PhiloxBackwardBaseOffsetAOTInput)
+
+
+def _captured_input(desc, captured: Sequence[InputSpec]) -> Optional[InputSpec]:
+    """The captured input an AOTAutograd input descriptor stands for (through a tensor subclass's
+    attribute or a synthetic base), or None (an activation, a token, a lifted parameter)."""
+    while desc is not None and not isinstance(desc, PlainAOTInput):
+        desc = getattr(desc, "base", None) or getattr(desc, "base_of", None)
+    if desc is None or desc.idx >= len(captured):
+        return None
+    return captured[desc.idx]
+
+
+def lowered_output_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: Stage,
                          fw_metadata=None, num_forward_outputs: int = 0) -> list[OutputSpec]:
     """Specs of an AOTAutograd graph's outputs, read from AOTAutograd's view/mutation metadata."""
     out = list(gm.graph.output_node().args[0]) if hasattr(gm.graph, "output_node") else \
         list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
-    if stage == "backward":
-        return [OutputSpec("grad", _label(captured[i]) if i < len(captured) else None)
+    if stage == Stage.BACKWARD:
+        return [OutputSpec(OutputKind.GRAD, _label(captured[i]) if i < len(captured) else None)
                 for i in range(len(out))]
-    if stage == "joint":
-        return [OutputSpec("forward_output" if i < num_forward_outputs else "grad")
+    if stage == Stage.JOINT:
+        return [OutputSpec(OutputKind.FORWARD_OUTPUT if i < num_forward_outputs else OutputKind.GRAD)
                 for i in range(len(out))]
     specs: list[OutputSpec] = []
     if fw_metadata is not None:
         for i in fw_metadata.mutated_inp_runtime_indices:
-            specs.append(OutputSpec("mutated_input", _label(captured[i]) if i < len(captured) else None))
-        specs += [OutputSpec("user_output")] * fw_metadata.num_outputs
-        specs += [OutputSpec("intermediate_base")] * fw_metadata.num_intermediate_bases
-    rest = "saved" if stage == "forward" else "user_output"
+            target = _label(captured[i]) if i < len(captured) else None
+            specs.append(OutputSpec(OutputKind.MUTATED_INPUT, target))
+        specs += [OutputSpec(OutputKind.USER_OUTPUT)] * fw_metadata.num_outputs
+        specs += [OutputSpec(OutputKind.INTERMEDIATE_BASE)] * fw_metadata.num_intermediate_bases
+    rest = OutputKind.SAVED if stage == Stage.FORWARD else OutputKind.USER_OUTPUT
     specs += [OutputSpec(rest)] * (len(out) - len(specs))
     return specs[:len(out)]
 
@@ -80,13 +97,13 @@ def _label(spec: InputSpec) -> str:
     return spec.qualname or spec.name
 
 
-def _kind_from_source(node: fx.Node) -> str:
+def _kind_from_source(node: fx.Node) -> InputKind:
     name = _source_name(node) or ""
     if "._parameters[" in name:
-        return "parameter"
+        return InputKind.PARAMETER
     if "._buffers[" in name:
-        return "buffer"
-    return "user_input"
+        return InputKind.BUFFER
+    return InputKind.USER_INPUT
 
 
 def _source_name(node: fx.Node) -> Optional[str]:

@@ -70,13 +70,14 @@ def every_call_compiled(request, monkeypatch):
     if "allow_fallback" in request.keywords:
         return
     for state in states:
-        if state.calls == 0 or (state.fallback == "raise" and state.fallbacks):  # it raised to the test
+        history = state.history
+        if history.calls == 0 or (state.config.fallback == "raise" and history.fallbacks):  # it raised to the test
             continue
-        assert state.records, (f"a jitted model was called {state.calls} time(s) and compiled no graph "
-                               f"(it ran uncompiled); fallbacks: {state.fallbacks}")
-        eager = {r.graph_id: r.eager_fallback for r in state.records if r.eager_fallback}
+        assert history.records, (f"a jitted model was called {history.calls} time(s) and compiled no graph "
+                                 f"(it ran uncompiled); fallbacks: {history.fallbacks}")
+        eager = {r.graph_id: r.eager_fallback for r in history.records if r.eager_fallback}
         assert not eager, f"graphs ran in eager: {eager}"
-        assert not state.fallbacks, f"fallbacks: {state.fallbacks}"
+        assert not history.fallbacks, f"fallbacks: {history.fallbacks}"
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 import pipeline
+from ir import Stage
 from pipeline import cuda_graphs
 
 aten = torch.ops.aten
@@ -43,8 +44,10 @@ def test_inputs_written_by_the_stage_are_found():
 def test_static_inputs_are_parameters_forward_and_all_but_tangents_and_seeds_backward():
     def spec(kind, name):
         return types.SimpleNamespace(kind=kind, name=name)
-    forward = types.SimpleNamespace(inputs=[spec("parameter", "p"), spec("user_input", "x"), spec("buffer", "b")])
-    backward = types.SimpleNamespace(inputs=[spec("saved", "primals_1"), spec("saved", "mm"),
-                                             spec("saved", "bwd_rng_state_0"), spec("tangent", "tangents_1")])
-    assert cuda_graphs.static_inputs(forward, "forward") == [0, 2]
-    assert cuda_graphs.static_inputs(backward, "backward") == [0, 1]
+    forward = types.SimpleNamespace(stage=Stage.FORWARD, inputs=[spec("parameter", "p"), spec("user_input", "x"),
+                                                                  spec("buffer", "b")])
+    backward = types.SimpleNamespace(stage=Stage.BACKWARD, inputs=[spec("saved", "primals_1"), spec("saved", "mm"),
+                                                                    spec("seed", "bwd_rng_state_0"),
+                                                                    spec("tangent", "tangents_1")])
+    assert cuda_graphs.static_inputs(forward) == [0, 2]
+    assert cuda_graphs.static_inputs(backward) == [0, 1]

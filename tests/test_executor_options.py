@@ -89,7 +89,7 @@ def test_te_delayed_scaling_names_each_linears_state_after_its_weight(monkeypatc
         cm = pipeline.jit(model.bfloat16(), executors=[te.fp8(DelayedScaling()), "torch"])
         with pytest.raises(Exception):
             cm(torch.randint(0, 64, (2, 8)))
-        assert sorted(cm._state.executors[0].scaling.names) == sorted(names)
+        assert sorted(cm._state.config.executors[0].scaling.names) == sorted(names)
 
 
 def test_te_regions_call_the_ops_implementation_directly():

@@ -116,7 +116,7 @@ def test_te_groups_linears_when_asked_and_names_the_state_after_the_first(monkey
     te_ops = [n for t in pipeline.last_traces(cm) if t.name == "g0_forward"
               for n in t.module.graph.nodes if n.target is torch.ops.pipeline_te.linear.default]
     assert len(te_ops) == 9
-    names = sorted(cm._state.executors[0].scaling.names)
+    names = sorted(cm._state.config.executors[0].scaling.names)
     assert names == sorted([f"layers.{i}.{m}.weight" for i in range(2)
                             for m in ("attn.wq", "attn.wo", "mlp.w1", "mlp.w2")] + ["head.weight"])
 

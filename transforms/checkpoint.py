@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ir import Trace, is_random, output_ancestors
+from ir import OutputKind, Trace, is_random, output_ancestors
 
 from .base import TracePass, pass_factory
 
@@ -71,6 +71,6 @@ def checkpoint(policy: Union[str, Callable[[fx.Node], bool]] = "selective") -> T
 
 def forward_ops(gm: fx.GraphModule, trace: Trace) -> list[fx.Node]:
     """The ops the forward outputs depend on (the joint trace's outputs say which are forward)."""
-    n_forward = sum(1 for s in trace.outputs if s.kind == "forward_output")
+    n_forward = sum(1 for s in trace.outputs if s.kind == OutputKind.FORWARD_OUTPUT)
     forward = output_ancestors(gm, n_forward)
     return [n for n in gm.graph.nodes if n in forward and n.op == "call_function"]

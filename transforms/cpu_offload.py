@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ir import Trace, fake_like, node_value
+from ir import InputKind, OutputKind, Stage, Trace, fake_like, node_value
 
 from .base import TracePass, pass_factory
 
@@ -29,10 +29,9 @@ def cpu_offload(min_bytes: int = 1 << 16) -> TracePass:
         return isinstance(value, torch.Tensor) and _nbytes(value) >= min_bytes
 
     def apply(trace: Trace) -> Trace:
-        stage = trace.name.rsplit("_", 1)[-1]
-        if stage == "forward":
+        if trace.stage == Stage.FORWARD:
             gm = _offload_saved_outputs(trace, offloaded)
-        elif stage == "backward":
+        elif trace.stage == Stage.BACKWARD:
             gm = _reload_saved_inputs(trace, offloaded)
         else:
             return trace
@@ -46,7 +45,7 @@ def _offload_saved_outputs(trace: Trace, offloaded) -> fx.GraphModule:
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(output.args[0])
     for i, (value, spec) in enumerate(zip(values, trace.outputs)):
-        if spec.kind != "saved" or not isinstance(value, fx.Node) or value.op == "placeholder":
+        if spec.kind != OutputKind.SAVED or not isinstance(value, fx.Node) or value.op == "placeholder":
             continue
         fake = node_value(value)
         if not offloaded(fake):
@@ -65,7 +64,7 @@ def _offload_saved_outputs(trace: Trace, offloaded) -> fx.GraphModule:
 def _reload_saved_inputs(trace: Trace, offloaded) -> fx.GraphModule:
     gm = trace.editable()
     for node, spec in zip(list(gm.graph.nodes), trace.inputs):
-        if node.op != "placeholder" or spec.kind != "saved" or spec.qualname is not None:
+        if node.op != "placeholder" or spec.kind != InputKind.SAVED or spec.qualname is not None:
             continue
         fake = node_value(node)
         if not offloaded(fake) or not node.users:

@@ -116,7 +116,7 @@ def regather_in_backward(trace: Trace) -> Trace:
         if node.op != "call_function" or node in derived:
             continue
         tensor_inputs = [a for a in node.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
-        if tensor_inputs and all(a in derived for a in tensor_inputs) and "tangents" not in node.name:
+        if tensor_inputs and all(a in derived for a in tensor_inputs):
             derived.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return trace.derive(gm, by="fsdp.regather_in_backward")
