@@ -25,6 +25,7 @@ GPU_LIBRARY_TESTS := tests/test_executor_options.py tests/test_te_regions.py tes
 	tests/test_fusion_islands.py tests/test_partition_memory.py
 
 test: $(READY)
+	$(BIN)/python scripts/line_budget.py
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -p no:cacheprovider --gpu-library-stand-ins $(GPU_LIBRARY_TESTS)
 

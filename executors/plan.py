@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
-import math
 import operator
 import time
 from typing import Callable, Optional, Sequence
@@ -19,12 +17,13 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ir import Region, Trace, describe_value, get_logger, node_value
+from ir import Region, Step, Trace, describe_value, get_logger, node_value
 from ir.symbols import check_symbols_bound
 
 from .base import Executor, RegionDeclined, op_name
 from .dispatch import Assignment, assign
 from .partition import keep_islands_whole, partition
+from .region_keys import region_key, structure_key, tensor_digest, value_signature  # noqa: F401 (re-exported)
 from .result_check import ResultCheck
 from .torch_executor import torch_executor
 
@@ -133,88 +132,92 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
 
     `on_fallback(message)` is told when a region's result, at its first call, is not what its
     trace says and the region moves to the next executor (default: a `PipelineFallbackWarning`)."""
-    start = time.perf_counter()
     gm = trace.editable()
-    assignment = assign(gm, executors, fallback)
+    steps: list[Step] = []
+
+    def step(name: str, fn, *args):
+        """One named step of dispatch, timed and recorded in the trace's provenance."""
+        start = time.perf_counter()
+        out = fn(*args)
+        steps.append(Step(f"dispatch: {name}", time.perf_counter() - start))
+        return out
+    assignment = step("assign claims", assign, gm, executors, fallback)
     order = list(executors) + ([fallback] if all(e.name != fallback.name for e in executors) else [])
-    keep_islands_whole(gm, order, fallback.name)
-    named = partition(gm, order)
+    step("keep fusible islands whole", keep_islands_whole, gm, order, fallback.name)
+    named = step("partition", partition, gm, order)
     if donated:
-        mark_donated_inputs(gm, donated, {e.name for e in order if e.outputs_may_alias_inputs})
-    by_name = {e.name: e for e in order}
-    regions, loaded, uncached = [], set(), []
-    compiled: dict[tuple, tuple[Callable, Region]] = {}  # (executor, structure) -> the first region built
-    replaced: dict[tuple, tuple[Callable, Region]] = {}  # the same, for regions whose result was wrong
-    for k, (sub_name, ex_name) in enumerate(named):
-        source = gm.get_submodule(sub_name)
-        region = _describe(source, first_region_id + k, stage, ex_name, graph_id)
-        structure, why_no_key = _try(structure_key, source)
-        twin = compiled.get((ex_name, structure)) if structure else None
-        if twin is not None:  # the same region one layer down: run the code built for the first
-            fn, first = twin
-            region.executor, region.fallback_reason, region.compiled_as = first.executor, first.fallback_reason, first.id
-            if first.id in loaded:  # for the cache, a twin of a loaded region is loaded too
-                loaded.add(region.id)
-        else:
-            fn = None
-            key = None
-            if artifacts is not None and structure:
-                key = region_key(structure, order)
-            elif artifacts is not None:  # e.g. a constant without data: compiled, not cached
-                uncached.append(f"region {region.id} not cached: no key ({why_no_key})")
-            if key is not None:
-                fn = _load_cached(artifacts.get(key), source, region, by_name, uncached)
-                if fn is not None:
-                    loaded.add(region.id)
-            if fn is None:
-                fn, failed = _compile_with_fallback(source, region, by_name[ex_name], order, fallback)
-                if key is not None and not failed:
-                    _store(artifacts, key, fn, source, region, by_name[region.executor], uncached)
-                elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
-                    uncached.append(f"region {region.id} not cached: an executor failed to compile it")
-            log.info("%s %s: region %d/%d (%d ops) %s by %s in %.2f s", graph_id, stage, k + 1, len(named),
-                     region.op_count, "loaded" if region.id in loaded else "compiled", region.executor,
-                     region.compile_seconds)
-            island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
-            if island:
-                region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
-            if structure:
-                compiled[(ex_name, structure)] = (fn, region)
-        replace = functools.partial(_replace_wrong_result, source=source, region=region, structure=structure,
-                                    order=order, fallback=fallback, replaced=replaced,
-                                    on_fallback=on_fallback or _warn)
-        gm.add_submodule(sub_name, CompiledRegion(fn, region, source, replace))
-        regions.append(region)
+        step("mark donated inputs", mark_donated_inputs, gm, donated,
+             {e.name for e in order if e.outputs_may_alias_inputs})
+    builder = _RegionBuilder(gm, order, fallback, stage, graph_id, artifacts, on_fallback or _warn)
+    regions = step("compile or load regions", builder.build_all, named, first_region_id)
     _set_region_values(gm)
     gm.recompile()
-    out = trace.derive(gm, by="dispatch", seconds=time.perf_counter() - start, name=trace.name)
-    return Execution(out, regions, assignment, loaded, uncached)
+    out = trace
+    for s in steps:
+        out = out.derive(gm, by=s.name, seconds=s.seconds, name=trace.name)
+    return Execution(out, regions, assignment, builder.loaded, builder.uncached)
 
 
-def structure_key(source: fx.GraphModule) -> str:
-    """A hash of what a region's compiled code depends on, whatever its nodes are named: each node's
-    op, target and arguments by position, the metadata of every value (shapes, strides, dtypes,
-    donation), and constants by their bytes. The 16 layers of a Llama give 16 regions per kind with
-    one hash: the first is compiled, the others run its code (Inductor would otherwise look each one
-    up in its cache and load it again, ~50 ms apiece)."""
-    index: dict[fx.Node, str] = {}
-    parts = []
-    for node in source.graph.nodes:
-        index[node] = f"%{len(index)}"
-        args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
-        if node.op == "get_attr":
-            value = getattr(source, node.target)
-            meta = value_signature(value) + (f" {tensor_digest(value)}" if isinstance(value, torch.Tensor) else "")
-        else:
-            meta = _value_signatures(node_value(node)) + (" donated" if node.meta.get("donated") else "")
-        parts.append(f"{node.op} {node.target if node.op in ('call_function', 'call_method') else ''} {args!r} {meta}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+class _RegionBuilder:
+    """Builds each region's `CompiledRegion`: from an identical region built before (its twin), the
+    artifact cache, or its executor (falling back to the next one that claims it)."""
 
+    def __init__(self, gm, order, fallback, stage, graph_id, artifacts, on_fallback):
+        self.gm, self.order, self.fallback, self.stage, self.graph_id = gm, order, fallback, stage, graph_id
+        self.artifacts, self.on_fallback = artifacts, on_fallback
+        self.by_name = {e.name: e for e in order}
+        self.loaded: set[int] = set()
+        self.uncached: list[str] = []
+        self.compiled: dict[tuple, tuple[Callable, Region]] = {}  # (executor, structure) -> first built
+        self.replaced: dict[tuple, tuple[Callable, Region]] = {}  # the same, for wrong results
 
-def region_key(structure: str, order: Sequence[Executor]) -> str:
-    """The compiled-artifact cache's key of a region: its `structure_key` and the executors that
-    could compile it (with their options)."""
-    return hashlib.sha256("\n".join([structure, *(e.cache_token() for e in order)]).encode()).hexdigest()
+    def build_all(self, named, first_region_id: int) -> list[Region]:
+        regions = []
+        for k, (sub_name, ex_name) in enumerate(named):
+            source = self.gm.get_submodule(sub_name)
+            region = _describe(source, first_region_id + k, self.stage, ex_name, self.graph_id,
+                               self.order)
+            structure, why_no_key = _try(structure_key, source)
+            twin = self.compiled.get((ex_name, structure)) if structure else None
+            if twin is not None:  # the same region one layer down: run the code built for the first
+                fn, first = twin
+                region.executor, region.fallback_reason, region.compiled_as = first.executor, first.fallback_reason, first.id
+                if first.id in self.loaded:  # for the cache, a twin of a loaded region is loaded too
+                    self.loaded.add(region.id)
+            else:
+                fn = self._load_or_compile(source, region, ex_name, structure, why_no_key)
+                log.info("%s %s: region %d/%d (%d ops) %s by %s in %.2f s", self.graph_id, self.stage, k + 1,
+                         len(named), region.op_count, "loaded" if region.id in self.loaded else "compiled",
+                         region.executor, region.compile_seconds)
+                if structure:
+                    self.compiled[(ex_name, structure)] = (fn, region)
+            replace = functools.partial(_replace_wrong_result, source=source, region=region, structure=structure,
+                                        order=self.order, fallback=self.fallback, replaced=self.replaced,
+                                        on_fallback=self.on_fallback)
+            self.gm.add_submodule(sub_name, CompiledRegion(fn, region, source, replace))
+            regions.append(region)
+        return regions
+
+    def _load_or_compile(self, source, region, ex_name, structure, why_no_key) -> Callable:
+        artifacts, fn, key = self.artifacts, None, None
+        if artifacts is not None and structure:
+            key = region_key(structure, self.order)
+        elif artifacts is not None:  # e.g. a constant without data: compiled, not cached
+            self.uncached.append(f"region {region.id} not cached: no key ({why_no_key})")
+        if key is not None:
+            fn = _load_cached(artifacts.get(key), source, region, self.by_name, self.uncached)
+            if fn is not None:
+                self.loaded.add(region.id)
+        if fn is None:
+            fn, failed = _compile_with_fallback(source, region, self.by_name[ex_name], self.order, self.fallback)
+            if key is not None and not failed:
+                _store(artifacts, key, fn, source, region, self.by_name[region.executor], self.uncached)
+            elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
+                self.uncached.append(f"region {region.id} not cached: an executor failed to compile it")
+        island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
+        if island:
+            region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
+        return fn
 
 
 def _try(fn, *args) -> tuple:
@@ -223,25 +226,6 @@ def _try(fn, *args) -> tuple:
         return fn(*args), None
     except Exception as e:
         return None, f"{type(e).__name__}: {e}"
-
-
-def _value_signatures(v) -> str:
-    if isinstance(v, (tuple, list)):
-        return "(" + ", ".join(_value_signatures(x) for x in v) + ")"
-    return value_signature(v) if v is not None else "-"
-
-
-def value_signature(v) -> str:
-    """A tensor's metadata (or a value's type and text) as it enters a cache key."""
-    if isinstance(v, torch.Tensor):
-        return (f"{v.dtype} {v.device} {tuple(v.shape)} {tuple(v.stride())} {v.storage_offset()} "
-                f"grad={v.requires_grad} {v.layout} {type(v).__name__}")
-    return f"{type(v).__name__} {v}"
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """A hash of a tensor's bytes (a constant baked into compiled code)."""
-    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _load_cached(artifact: Optional[RegionArtifact], source, region: Region, by_name, notes) -> Optional[Callable]:
@@ -361,14 +345,15 @@ def _claims_all(ex: Executor, gm: fx.GraphModule) -> bool:
                if n.op == "call_function" and n.target is not operator.getitem)
 
 
-def _describe(source: fx.GraphModule, rid: int, stage: str, ex_name: str, graph_id: str) -> Region:
+def _describe(source: fx.GraphModule, rid: int, stage: str, ex_name: str, graph_id: str,
+              order: Sequence[Executor] = ()) -> Region:
     nodes = list(source.graph.nodes)
     ops = [op_name(n.target) for n in nodes if n.op == "call_function" and n.target is not operator.getitem]
     ins = [describe_value(node_value(n)) for n in nodes if n.op == "placeholder"]
     out_node = nodes[-1]
     outs = [describe_value(node_value(a)) if isinstance(a, fx.Node) else repr(a)
             for a in out_node.args[0]]
-    counters = _built_in_executors()  # their `flops` hooks count their own ops (TE's)
+    counters = list(order) or _built_in_executors()  # their `flops` hooks count their own ops (TE's)
     flops = [gemm_flops(n, counters) for n in nodes if n.op == "call_function"]
     return Region(id=rid, stage=stage, executor=ex_name, ops=ops, input_shapes=ins,
                   output_shapes=outs, graph_id=graph_id, gemm_flops=sum(f for f, _ in flops),

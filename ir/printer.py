@@ -34,9 +34,11 @@ def python_source(trace: Trace) -> str:
     for node, spec in zip(trace.placeholders(), _padded(trace.inputs, len(trace.placeholders()))):
         name = names.bind(node, _readable_name(spec))
         params.append(name)
-        what = "" if spec is None else spec.kind + (f" {spec.qualname!r}" if spec.qualname else "")
-        lines.append(f"#   {name}: {describe_value(node_value(node))}  {what}".rstrip())
+        what = "(no input spec)" if spec is None else spec.kind + (f" {spec.qualname!r}" if spec.qualname else "")
+        lines.append(f"#   {name}: {describe_value(node_value(node))}  {what}{_tags(node)}".rstrip())
     lines.insert(1, "# inputs:")
+    if len(trace.inputs) != len(params):  # a malformed trace prints, and says so
+        lines.insert(2, f"#   MALFORMED: {len(trace.inputs)} input specs for {len(params)} placeholders")
     lines.append(_HEADER)
     lines.append(f"def {_identifier(trace.name)}({', '.join(params)}):")
     body = []
@@ -49,7 +51,7 @@ def python_source(trace: Trace) -> str:
         name = names.bind(node)
         expr = _expression(node, names)
         comment = describe_value(node_value(node))
-        body.append(f"{name} = {expr}  # {comment}")
+        body.append(f"{name} = {expr}  # {comment}{_tags(node)}")
     lines.extend("    " + line for line in body)
     return "\n".join(lines) + "\n"
 
@@ -98,6 +100,20 @@ def _readable_name(spec) -> str | None:
         return spec.qualname.replace(".", "_")
     inner = spec.qualname.removeprefix("L['").split("'", 1)[0]
     return inner if inner.isidentifier() else None
+
+
+def _tags(node: fx.Node) -> str:
+    """The tags passes communicate through, as the comment shows them: who runs the node, whether
+    the partitioner recomputes it, whether its memory is donated."""
+    tags = []
+    if node.meta.get("executor"):
+        tags.append(f"executor={node.meta['executor']}")
+    policy = node.meta.get("recompute")
+    if policy is not None:
+        tags.append(f"recompute={getattr(policy, 'name', policy)}")
+    if node.meta.get("donated"):
+        tags.append("donated")
+    return f"  [{', '.join(tags)}]" if tags else ""
 
 
 def _padded(specs, n):

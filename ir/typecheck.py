@@ -93,6 +93,12 @@ def _check_outputs(before: Trace, after: Trace, who: str, dtypes_may_change: boo
                              f"purpose declares it: TracePass(..., output_dtypes_may_change=True)")
 
 
+def structure(trace: Trace) -> int:
+    """A hash of every node's op, arguments and metadata identity: changes if a pass edits the
+    trace it was given (cheaper than printing it)."""
+    return hash(tuple(_key(n) for n in trace.graph.nodes))
+
+
 def _node_keys(trace: Trace) -> set:
     return {_key(n) for n in trace.graph.nodes}
 
@@ -106,7 +112,7 @@ def _key(node: fx.Node):
         hash(args)
     except TypeError:
         args = repr(args)
-    return node.name, node.op, node.target, args, id(node_value(node))
+    return node.name, node.op, node.target, args, id(node_value(node)), str(node.meta.get("recompute"))
 
 
 def refresh_values(changed: list[fx.Node]) -> None:

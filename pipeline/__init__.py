@@ -8,11 +8,12 @@
 from .checkpoint import load, load_full, save
 from .compiler import PassError
 from .inspect import CompileStats, Explanation, RegionTable, compile_stats, explain, last_traces, regions
+from .default_passes import default_passes, without
 from .fallbacks import PipelineFallbackError
 from ir import PipelineFallbackWarning, PipelineWarning
 from .jit import GraphBreakError, JittedFunction, JittedModule, jit
 from .profile import profile
 
-__all__ = ["jit", "profile", "save", "load", "load_full", "regions", "last_traces", "compile_stats", "explain", "GraphBreakError", "PassError",
+__all__ = ["jit", "default_passes", "without", "profile", "save", "load", "load_full", "regions", "last_traces", "compile_stats", "explain", "GraphBreakError", "PassError",
            "PipelineFallbackError", "PipelineFallbackWarning", "PipelineWarning",
            "JittedModule", "JittedFunction", "RegionTable", "CompileStats", "Explanation"]

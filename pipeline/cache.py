@@ -8,7 +8,7 @@ load artifacts built the old way). A pass that sets `cacheable = False`
 (see `uncached`), or whose source cannot be read, turns the cache off for the graph, with the reason.
 
 Entry: per stage the lowered trace's fingerprint and its regions, the runtime wrappers' metadata, and
-each region's executor artifact keyed by the region's own hash (`executors.plan.region_key`). On a
+each region's executor artifact keyed by the region's own hash (`executors.region_keys.region_key`). On a
 hit the pipeline still captures, runs the passes, lowers and partitions (cheap), but rebuilds each
 region from its artifact instead of compiling it.
 
@@ -35,7 +35,8 @@ from typing import Optional
 import torch
 
 from executors.base import set_artifact_files_root
-from executors.plan import RegionArtifact, tensor_digest, value_signature
+from executors.plan import RegionArtifact
+from executors.region_keys import tensor_digest, value_signature
 from ir import PipelineWarning, get_logger
 
 from . import cache_files

@@ -21,16 +21,14 @@ from torch._guards import CompileContext, TracingContext
 
 from executors import dispatch
 from ir import OutputKind, OutputSpec, Stage, Step, Trace, TraceError, get_logger, verify
-from ir.typecheck import check_types
+from ir.typecheck import check_types, structure
 from transforms import TracePass
 from transforms.group_linears import group_linears_in
-from transforms.grouped_kv_attention import grouped_kv_attention_in
 
 from . import cuda_graphs
 from .cache import GraphCache
 from .fallbacks import PipelineFallbackError, report_fallback
 from .record import GraphRecord
-from .save_policy import recompute_upcasts
 from .runtime_wrappers import BoxedStage, graph_wrappers, post_compile_all, pre_compile_all, wrapper_metadata
 from .specs import captured_input_specs, lowered_input_specs, lowered_output_specs
 
@@ -113,7 +111,6 @@ class PipelineBackend:
                 check_built_in(trace, prepared, f"{executor.name}.prepare", record)
                 trace = record.add_trace(prepared)
         trace = self._run_passes("before_autodiff", trace, record)
-        trace = self._grouped_kv_attention(trace, record)
         stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache)
         start = time.perf_counter()
         inner_before = sum(record.seconds.values())
@@ -132,24 +129,9 @@ class PipelineBackend:
             cache.wrappers_done(wrapper_metadata(wrappers))
         return post_compile_all(wrappers, compiled)
 
-    @staticmethod
-    def _grouped_kv_attention(trace: Trace, record: GraphRecord) -> Trace:
-        """The default rewrite of attention on repeated k/v (after the user's before-autodiff passes,
-        so it sees `mixed_precision`'s autocast); an optimization nobody asked for never fails a
-        graph: if it raises, the graph compiles without it and the reason is recorded."""
-        try:
-            grouped = grouped_kv_attention_in(trace)
-            if grouped is not trace:
-                check_built_in(trace, grouped, "grouped_kv_attention", record)
-        except Exception as e:
-            record.fallbacks.append(("scaled_dot_product_attention",
-                                     f"k/v left repeated: grouped_kv_attention raised {type(e).__name__}: {e}"))
-            return trace
-        return trace if grouped is trace else record.add_trace(grouped)
-
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
-        """AOTAutograd's partition hook: joint passes run here, then the min-cut partitioner (which
-        saves no fp32 value computed from one upcast half-precision value: `save_policy.py`)."""
+        """AOTAutograd's partition hook: joint passes run here (the default `save_policy` among
+        them), then the min-cut partitioner."""
         passes = [p for p in self.state.config.passes if p.runs_on == "joint"]
         if passes:
             trace = Trace(joint, name=f"{record.graph_id}_joint", level="aten", stage=Stage.JOINT,
@@ -159,7 +141,6 @@ class PipelineBackend:
                           provenance=captured.provenance + (Step("lower (joint)"),))
             trace = self._run_passes("joint", record.add_trace(trace), record)
             joint = trace.module
-        recompute_upcasts(joint, kwargs["num_fwd_outputs"])
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def _lower_stage(self, stage: str, gm: fx.GraphModule, example_inputs, *, record: GraphRecord,
@@ -210,13 +191,25 @@ class PipelineBackend:
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:
         for p in self.state.config.passes:
             if p.runs_on == where:
-                trace = record.add_trace(run_pass(p, trace, record))
+                out = run_pass(p, trace, record)
+                trace = trace if out is trace else record.add_trace(out)
         return trace
 
 
 def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
-    """Runs one pass, checking it returns a new Trace, left its input alone, and recorded itself."""
-    before = trace.fingerprint()
+    """Runs one pass, checking it returns a new Trace, left its input alone, and recorded itself.
+    An optional pass (a default optimization) that fails is skipped, with the reason recorded."""
+    try:
+        return _run_checked(p, trace, record)
+    except PassError as e:
+        if not p.optional:
+            raise
+        record.fallbacks.append((p.name, f"not applied: {e}"))
+        return trace
+
+
+def _run_checked(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
+    before = structure(trace)
     start = time.perf_counter()
     try:
         out = p(trace)
@@ -228,7 +221,10 @@ def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
     if not isinstance(out, Trace):
         raise PassError(f"pass {p.name!r} returned {type(out).__name__}, not a Trace; "
                         f"build the result with trace.derive(gm, by=...)")
-    if trace.fingerprint() != before:
+    if out is trace and p.optional:  # a default pass with nothing to do: no trace, no provenance
+        record.seconds["passes"] += seconds
+        return trace
+    if structure(trace) != before:
         raise PassError(f"pass {p.name!r} changed its input trace {trace.name!r}; passes must edit "
                         f"a copy: gm = trace.editable(), then return trace.derive(gm, by=...)")
     start_check = time.perf_counter()

@@ -25,6 +25,7 @@ from transforms.model_transform import ModelTransform
 from . import model_state
 
 from .compiler import PassError, PipelineBackend
+from .default_passes import Without, with_defaults
 from .fallbacks import MODES, PipelineFallbackError, report_fallback
 from .grad_capture import GradCapture, differentiates_inside
 from .record import GraphRecord
@@ -172,6 +173,8 @@ logging.getLogger("torch._dynamo.convert_frame").addHandler(_give_ups)
 def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], dict]:
     """Materializes meta tensors and applies model-changing transforms (stage 2) to the module;
     returns the trace passes to run and what the model transforms replaced."""
+    removed = {name for t in transforms if isinstance(t, Without) for name in t.names}
+    transforms = [t for t in transforms if not isinstance(t, Without)]
     preparations = [t for t in transforms if isinstance(t, Materialize)]
     model_transforms = [t for t in transforms if isinstance(t, ModelTransform)]
     passes = [as_pass(t) for t in transforms if not isinstance(t, (ModelTransform, Materialize))]
@@ -192,7 +195,7 @@ def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], d
     if model_transforms and not replaced:
         replaced = model_state.apply(model_or_fn, model_transforms)
     passes += [as_pass(p) for t in model_transforms for p in t.passes()]
-    return passes, replaced
+    return with_defaults(passes, removed), replaced
 
 
 def _owners(obj) -> dict[int, tuple[str, str]]:

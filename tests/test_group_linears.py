@@ -2,6 +2,9 @@
 import copy
 
 import pytest
+import sys
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -107,6 +110,9 @@ def test_te_groups_linears_when_asked_and_names_the_state_after_the_first(monkey
 
     monkeypatch.setattr(TEExecutor, "unavailable_reason", lambda self: None)
     monkeypatch.setattr(TEExecutor, "_reject", lambda self, node: None)
+    for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.cpp_extensions"):
+        # empty modules: the real TE (on the GPU machine) must not be handed these CPU tensors
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     model = Llama(CONFIG).bfloat16()
     te = TEExecutor().fp8(DelayedScaling()).options(group_linears=True)
     assert te.use_fp8 and te.recipe is not None and te.group_linears

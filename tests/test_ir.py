@@ -30,7 +30,9 @@ def block_traces():
 def test_every_stage_is_recorded_with_provenance(block_traces):
     _, _, _, traces = block_traces
     assert [t.level for t in traces] == ["torch", "aten", "aten"]
-    assert [s.name for s in traces[-1].provenance] == ["capture", "lower (inference)", "dispatch"]
+    assert [s.name for s in traces[-1].provenance] == [
+        "capture", "lower (inference)", "dispatch: assign claims", "dispatch: keep fusible islands whole",
+        "dispatch: partition", "dispatch: compile or load regions"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -124,6 +126,6 @@ def test_debug_mode_verifies_and_dumps_every_stage(mlp, tmp_path, monkeypatch):
         cm(torch.randn(2, 16))
     files = sorted(os.listdir(tmp_path / str(os.getpid())))
     assert files == ["g0_captured.01.capture.py", "g0_inference.02.lower_inference.py",
-                     "g0_inference.03.dispatch.py"]
+                     "g0_inference.03.dispatch_compile_or_load_regions.py"]
     text = (tmp_path / str(os.getpid()) / files[1]).read_text()
     assert "aten.addmm.default" in text

@@ -66,7 +66,7 @@ def test_passes_of_a_stage_run_in_the_given_order(mlp):
         cm(torch.randn(2, 16))
     assert order == ["b", "a"]
     assert [s.name for s in pipeline.last_traces(cm)[-1].provenance] == [
-        "capture", "lower (inference)", "b", "a", "dispatch"]
+        "capture", "lower (inference)", "b", "a", "dispatch: assign claims", "dispatch: keep fusible islands whole", "dispatch: partition", "dispatch: compile or load regions"]
 
 
 def test_plain_function_is_a_pass_and_gets_recorded(mlp):
@@ -98,3 +98,33 @@ def test_pass_that_returns_no_trace_is_an_error(mlp):
 def test_unknown_pass_stage_is_an_error():
     with pytest.raises(ValueError, match="runs_on must be one of"):
         trace_pass(lambda t: t, runs_on="whenever")
+
+
+class Bf16LogitsFp32Loss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 64).bfloat16()
+
+    def forward(self, x):
+        return self.head(x).float().log_softmax(-1).mean()
+
+
+def _passes_run(cm):
+    return {s.name for t in pipeline.last_traces(cm) for s in t.provenance}
+
+
+def test_default_passes_are_listed_and_run_after_the_users():
+    assert [p.name for p in pipeline.default_passes()] == ["grouped_kv_attention", "save_policy"]
+    model = Bf16LogitsFp32Loss()
+    cm = pipeline.jit(model, executors=["torch"])
+    cm(torch.randn(4, 8, dtype=torch.bfloat16)).backward()
+    assert "save_policy" in _passes_run(cm)  # the fp32 log-probabilities are recomputed, not saved
+
+
+def test_without_removes_a_default_pass_by_name():
+    model = Bf16LogitsFp32Loss()
+    cm = pipeline.jit(model, executors=["torch"], transforms=[pipeline.without("save_policy")])
+    cm(torch.randn(4, 8, dtype=torch.bfloat16)).backward()
+    assert "save_policy" not in _passes_run(cm)
+    with pytest.raises(ValueError, match="no default pass named \\['save_polcy'\\]"):
+        pipeline.without("save_polcy")

@@ -24,7 +24,7 @@ def trace_named(cm, name, made_by=None):
 
 
 def saved_activation_bytes(cm):
-    forward = trace_named(cm, "g0_forward", "dispatch")
+    forward = trace_named(cm, "g0_forward", "dispatch: compile or load regions")
     return sum(node_value(v).numel() * node_value(v).element_size()
                for v, s in zip(forward.output_values(), forward.outputs)
                if s.kind == "saved" and v.op != "placeholder" and isinstance(node_value(v), torch.Tensor))
@@ -148,8 +148,8 @@ def test_passes_compose_in_order():
     with torch.autocast("cpu", torch.bfloat16):
         logits = eager(tokens)
     torch.testing.assert_close(loss, next_token_loss(logits, tokens), rtol=2e-2, atol=2e-2)
-    steps = [s.name for s in trace_named(cm, "g0_forward", "dispatch").provenance]
-    assert steps == ["capture", "mixed_precision(bf16)", "lower (forward)", "cpu_offload", "dispatch"]
+    steps = [s.name for s in trace_named(cm, "g0_forward", "dispatch: compile or load regions").provenance]
+    assert steps == ["capture", "mixed_precision(bf16)", "lower (forward)", "cpu_offload", "dispatch: assign claims", "dispatch: keep fusible islands whole", "dispatch: partition", "dispatch: compile or load regions"]
     assert trace_named(cm, "g0_joint").provenance[-1].name == "checkpoint(selective)"
 
 

@@ -25,6 +25,7 @@ class TracePass:
     runs_on: str = "after_autodiff"
     name: str = ""
     output_dtypes_may_change: bool = False  # e.g. mixed precision; shapes and count never may
+    optional: bool = False  # an optimization: if it raises, the graph compiles without it (reason recorded)
 
     def __post_init__(self):
         if self.runs_on not in STAGES:

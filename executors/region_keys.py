@@ -1,0 +1,59 @@
+"""Cache keys of regions: what a region's compiled code depends on, as a hash.
+
+`structure_key` finds identical regions (the same layer one level down, compiled once) and binds a
+cached artifact to the region graph it came from; `region_key` is the artifact cache's key.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from ir import node_value
+
+
+def structure_key(source: fx.GraphModule) -> str:
+    """A hash of what a region's compiled code depends on, whatever its nodes are named: each node's
+    op, target and arguments by position, the metadata of every value (shapes, strides, dtypes,
+    donation), and constants by their bytes. The 16 layers of a Llama give 16 regions per kind with
+    one hash: the first is compiled, the others run its code (Inductor would otherwise look each one
+    up in its cache and load it again, ~50 ms apiece)."""
+    index: dict[fx.Node, str] = {}
+    parts = []
+    for node in source.graph.nodes:
+        index[node] = f"%{len(index)}"
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+        if node.op == "get_attr":
+            value = getattr(source, node.target)
+            meta = value_signature(value) + (f" {tensor_digest(value)}" if isinstance(value, torch.Tensor) else "")
+        else:
+            meta = _value_signatures(node_value(node)) + (" donated" if node.meta.get("donated") else "")
+        parts.append(f"{node.op} {node.target if node.op in ('call_function', 'call_method') else ''} {args!r} {meta}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def region_key(structure: str, order: Sequence) -> str:
+    """The compiled-artifact cache's key of a region: its `structure_key` and the executors that
+    could compile it (with their options)."""
+    return hashlib.sha256("\n".join([structure, *(e.cache_token() for e in order)]).encode()).hexdigest()
+
+
+def _value_signatures(v) -> str:
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_value_signatures(x) for x in v) + ")"
+    return value_signature(v) if v is not None else "-"
+
+
+def value_signature(v) -> str:
+    """A tensor's metadata (or a value's type and text) as it enters a cache key."""
+    if isinstance(v, torch.Tensor):
+        return (f"{v.dtype} {v.device} {tuple(v.shape)} {tuple(v.stride())} {v.storage_offset()} "
+                f"grad={v.requires_grad} {v.layout} {type(v).__name__}")
+    return f"{type(v).__name__} {v}"
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """A hash of a tensor's bytes (a constant baked into compiled code)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -1,0 +1,56 @@
+"""The passes the pipeline adds to the user's: ordinary trace passes, listed, removable by name.
+
+    print(pipeline.default_passes())                           # what runs besides yours
+    pipeline.jit(model, transforms=[mixed_precision("bf16"), pipeline.without("grouped_kv_attention")])
+
+Each runs after the user's passes of its stage: `grouped_kv_attention` after the before-autodiff
+passes (so it sees mixed precision's autocast), `save_policy` after the joint passes (just before
+the partitioner). They are optimizations: one that raises leaves the graph compiling without it,
+with the reason in `compile_stats` (`TracePass.optional`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ir import Trace
+from transforms import TracePass, grouped_kv_attention
+
+from .save_policy import recompute_upcasts
+
+
+def save_policy(trace: Trace) -> Trace:
+    """On the joint graph: no fp32 value computed from one upcast half-precision value is saved for
+    the backward (`save_policy.py`); the trace itself when nothing is tagged."""
+    gm = trace.editable()
+    forward_outputs = sum(spec.kind == "forward_output" for spec in trace.outputs)
+    if recompute_upcasts(gm, forward_outputs) == 0:
+        return trace
+    gm.recompile()
+    return trace.derive(gm, by="save_policy")
+
+
+def default_passes() -> list[TracePass]:
+    """The pipeline's own passes, in the order they run."""
+    return [dataclasses.replace(grouped_kv_attention(), optional=True),
+            TracePass(save_policy, runs_on="joint", name="save_policy", optional=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Without:
+    """`without(name, ...)` in `transforms=[...]`: those default passes do not run."""
+    names: tuple[str, ...]
+
+
+def without(*names: str) -> Without:
+    """Leaves out the default passes named (see `default_passes()`)."""
+    known = {p.name for p in default_passes()}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"without: no default pass named {unknown or '(none given)'}; the default passes "
+                         f"are {sorted(known)}")
+    return Without(tuple(names))
+
+
+def with_defaults(passes: list[TracePass], removed: set[str]) -> list[TracePass]:
+    """The user's passes, then the default passes not removed."""
+    return list(passes) + [p for p in default_passes() if p.name not in removed]
