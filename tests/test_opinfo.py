@@ -73,9 +73,9 @@ def check_op(op, executor):
     try:
         out, grads = run(pipeline.jit(fn, executors=[executor], fallback="raise"))
     except pipeline.PipelineFallbackError as e:  # visible in the summary, never a silent pass
-        if "compiled no graph" not in str(e):
+        if op.name not in NOT_CAPTURED or "compiled no graph" not in str(e):
             raise
-        pytest.xfail(f"Dynamo captures no graph of this sample: {str(e)[:200]}")
+        pytest.xfail(f"Dynamo captures no graph of this sample ({NOT_CAPTURED[op.name]}): {str(e)[:200]}")
     assert len(out) == len(expected_out)
     for a, b in zip(out, expected_out):
         torch.testing.assert_close(a, b, equal_nan=True, rtol=1.3e-6 if executor == "torch" else 1e-4,
@@ -86,6 +86,10 @@ def check_op(op, executor):
         else:
             torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-4, atol=1e-4)
 
+
+# samples whose op call Dynamo does not trace (the whole call runs in eager): expected failures
+NOT_CAPTURED = {"nn.functional.scaled_dot_product_attention":
+                "it breaks on a pybind11 object and a function marked as skipped"}
 
 _RANDOM = {"bernoulli", "normal", "rand_like", "randn_like", "randint_like", "multinomial",
            "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
