@@ -200,15 +200,16 @@ def _is_static(t: torch.Tensor) -> bool:
 
 
 def _kernel_libraries(compiled) -> set[str]:
-    """Paths of the shared libraries the compiled graph's C++ kernels were loaded from, and of
-    Inductor's vector-ISA probe (built once per cache dir)."""
+    """Paths of the shared libraries the compiled graph's C++ kernels were loaded from, and, when
+    there are any, of Inductor's vector-ISA probe (built once per cache dir). A graph of Triton
+    kernels has none: no probe then (finding it compiles probe programs, ~30 s a process)."""
     module = sys.modules.get(getattr(compiled.current_callable, "__module__", None) or "")
     paths = set()
     for value in vars(module).values() if module is not None else ():
         owner = getattr(value, "__self__", None)
         if isinstance(owner, types.ModuleType) and str(getattr(owner, "__file__", "")).endswith(".so"):
             paths.add(owner.__file__)
-    return paths | _isa_probe_libraries()
+    return paths | _isa_probe_libraries() if paths else paths
 
 
 def _isa_probe_libraries() -> set[str]:

@@ -67,7 +67,10 @@ class CompiledRegion(torch.nn.Module):
         while (problem := self.check.problem(out)) is not None:
             self.fn = self.check.replacement(problem)
             self.label = f"region{self.region.id}:{self.region.executor}"
-            out = CompiledRegion.forward(self, *self.check.hold(held))
+            if held is None:
+                raise RuntimeError(f"{problem}; this call cannot run again (the region's inputs were donated "
+                                   f"to it): the next call runs on {self.region.executor}")
+            out = CompiledRegion.forward(self, *held)
         if not self.check.every_call:
             del self.forward, self.call_boxed
         return out

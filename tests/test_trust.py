@@ -1,6 +1,7 @@
 """Nothing silently wrong: every way a wrong result, a skipped pass or an uncompiled run used to
 reach the user unannounced is now an error naming the culprit, or a loud fallback whose result
 equals eager."""
+import copy
 import logging
 import os
 import warnings
@@ -272,3 +273,28 @@ def test_the_log_says_what_each_graph_goes_through():
     text = "\n".join(lines.lines)
     assert "g0: captured" in text and "g0 forward: lowered" in text and "g0 backward: lowered" in text
     assert "g0 forward: region 1/1" in text and "compiled by torch" in text
+
+
+@pytest.mark.allow_fallback
+def test_a_wrong_backward_region_with_donated_inputs_raises_once_then_runs_on_the_next_executor():
+    """A backward region owns its saved activations (donated: it may overwrite or free them), so
+    its first call cannot run again after a wrong result without copying them all (the first step's
+    memory twice): it raises naming the problem, and the next step runs on the replacement."""
+    class Sine(nn.Module):
+        def forward(self, x):
+            return x.sin()
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), Sine())  # the backward owns the saved relu output
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=[Wrong("float64"), "torch"])
+    x = torch.randn(3, 5)
+    with pytest.raises(RuntimeError, match="expected dtype torch.float32, got torch.float64; this call "
+                                           "cannot run again .*donated.*the next call runs on torch"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PipelineFallbackWarning)
+            cm(x).sum().backward()
+    model.zero_grad()
+    cm(x).sum().backward()
+    eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert {r.executor for r in pipeline.regions(cm)} == {"torch"}
