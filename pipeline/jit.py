@@ -321,6 +321,10 @@ class JittedModule(torch.nn.Module):
         return _call(self._runner, self._state, args, kwargs)
 
     def train(self, mode: bool = True):
+        frozen = sorted({r.transform.name for r in self._state.config.replaced.values() if not r.transform.trainable})
+        if mode and frozen:  # quantized weights do not train: only the other parameters would
+            raise RuntimeError(f"this model was changed by {frozen}, whose tensors are frozen (inference only); "
+                               f"train the original model, or jit it without {frozen[0]}")
         self._original.train(mode)
         self.training = mode
         return self

@@ -159,3 +159,11 @@ def test_a_transformed_model_that_cannot_compile_fails_loudly(llama_and_tokens, 
     with pytest.raises(Exception, match="cannot run in eager on the original parameters"):
         with torch.no_grad():
             cm(tokens)
+
+
+def test_train_on_a_quantized_model_is_refused(llama_and_tokens):
+    model, _ = llama_and_tokens
+    cm = pipeline.jit(model.eval(), executors=["torch"], transforms=[quantize("int8")])
+    with pytest.raises(RuntimeError, match=r"changed by \['quantize\(int8\)'\], whose tensors are frozen"):
+        cm.train()
+    cm.eval()  # allowed
