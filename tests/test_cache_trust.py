@@ -206,19 +206,7 @@ def test_new_directories_are_0700_and_files_0600(mlp, monkeypatch):
     assert [(p, f"{mode:o}") for p, mode, want in seen if mode != want] == []
 
 
-RACER = textwrap.dedent("""
-    import sys, time, torch
-    sys.path.insert(0, "tests")
-    import pipeline
-    from conftest import MLP
-    torch.manual_seed(0)
-    model, x = MLP(), torch.randn(4, 16)
-    cm = pipeline.jit(model, executors=["torch"])
-    time.sleep(max(0.0, float(sys.argv[1]) - time.time()))  # both processes compile at once
-    out = cm(x)
-    out.sum().backward()
-    print(pipeline.compile_stats(cm).cache["g0"], out.sum().item().hex())
-""")
+from test_cache import RACER  # noqa: E402  (one process compiling at a given time: the same script)
 
 
 def test_two_processes_filling_a_new_cache_at_once_leave_one_valid_entry_and_no_stray_files(tmp_path):
