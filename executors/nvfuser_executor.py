@@ -9,8 +9,9 @@ doubled the regions' compile time (25 s -> 10 s without them, kernel time no wor
 size-1 dims, so a new batch size reuses the definition; definitions are cached per input signature
 (dtype, rank, contiguity, size-1 pattern).
 
-What it claims is what `nvfuser_ops.OPS` can translate (and its `CHECKS` allow); this file holds the
-executor, the per-signature runner and nvFuser's fusion cache, `nvfuser_ops.py` the translation.
+What it claims is its claim table, `nvfuser_ops.CLAIMS` (the ops `nvfuser_ops.OPS` can translate, some
+with a checker), for nodes whose tensors are all on its device in a dtype nvFuser takes. This file holds
+the executor, the per-signature runner and nvFuser's fusion cache, `nvfuser_ops.py` the translation.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from ir import node_value
 
 from .base import (Executor, RegionDeclined, computes_nothing, cuda_library_missing, keep_promised_strides,
                    promised_strides)
-from .nvfuser_ops import CHECKS, NO_NVFUSER_DTYPES, OPS, define_fusion as _define
+from .nvfuser_ops import CLAIMS, NO_NVFUSER_DTYPES, define_fusion as _define
 
 
 class NvFuserExecutor(Executor):
@@ -32,21 +33,22 @@ class NvFuserExecutor(Executor):
     kind = "fusion"
     device = "cuda"  # where its kernels run (CPU tests of its claims set "cpu")
     outputs_may_alias_inputs = True  # nvFuser may make a copy (clone -> set) an alias of its input
+    claims_table = CLAIMS  # the ops nvfuser_ops.py translates, with their checkers
 
     def unavailable_reason(self) -> str | None:
         return cuda_library_missing("nvFuser", ["nvfuser_direct"],
                                     "install nvFuser (pip install nvfuser-cu130-torch210) on a CUDA machine")
 
     def claims_op(self, op, node: fx.Node) -> bool:
-        if op not in OPS:
-            return False
+        """What `claims_table` says, for a node whose tensors nvFuser can take (`takes_tensors_of`)."""
+        return self.takes_tensors_of(node) and super().claims_op(op, node)
+
+    def takes_tensors_of(self, node: fx.Node) -> bool:
+        """Whether every tensor `node` reads or makes is on this executor's device, in a dtype nvFuser takes."""
         values = [node_value(a) for a in node.all_input_nodes] + [node_value(node)]
-        for v in values:
-            for t in (v if isinstance(v, (tuple, list)) else [v]):
-                if isinstance(t, torch.Tensor) and (t.device.type != self.device or t.dtype in NO_NVFUSER_DTYPES):
-                    return False
-        check = CHECKS.get(op)
-        return check is None or check(node)
+        tensors = [t for v in values for t in (v if isinstance(v, (tuple, list)) else [v])]
+        return all(t.device.type == self.device and t.dtype not in NO_NVFUSER_DTYPES
+                   for t in tensors if isinstance(t, torch.Tensor))
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
         if all(computes_nothing(n.target) for n in gm.graph.nodes if n.op == "call_function"):

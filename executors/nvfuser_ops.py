@@ -1,32 +1,44 @@
 """How the `nvfuser` executor writes a region as a `FusionDefinition`: the op translation table.
 
-`OPS` maps an ATen overload to a translation `fn(fd, node, *args, **kwargs) -> Val` (filled by `@_op`);
-`CHECKS` holds the extra condition some ops must meet to be claimed; `define_fusion` builds a region's
-definition. Every result is cast back to the dtype the trace promises (nvFuser computes half types in
-fp32). The executor itself is `nvfuser_executor.py`.
+`OPS` maps an ATen overload to a translation `fn(fd, node, *args, **kwargs) -> Val`; `CLAIMS`, the
+executor's `ClaimTable`, holds the same ops, each with the checker a node must pass to be claimed (None
+for most); `@_op(*overloads, checker=...)` fills both. `define_fusion` builds a region's definition.
+Every result is cast back to the dtype the trace promises (nvFuser computes half types in fp32). The
+executor itself is `nvfuser_executor.py`.
 """
 from __future__ import annotations
 
 import operator
-from typing import Callable, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from ir import node_value
 
+from .claims import Checker, ClaimTable
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 OPS: dict = {}
+CLAIMS = ClaimTable()
 NO_NVFUSER_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.float64, torch.complex64, torch.complex128}
 
 
-def _op(*overloads):
+def _op(*overloads, checker: Optional[Checker] = None):
+    """Registers `fn` as the translation of `overloads`, each claimed when `checker` (if any) accepts the node."""
     def register(fn):
         for o in overloads:
             OPS[o] = fn
+            CLAIMS.register(o, checker=checker)
         return fn
     return register
+
+
+def _static_shapes(node: fx.Node) -> bool:
+    """Whether `node`'s result has no symbolic sizes (a checker)."""
+    v = node_value(node)
+    return all(isinstance(s, int) for s in v.shape) if isinstance(v, torch.Tensor) else True
 
 
 def define_fusion(FusionDefinition, gm: fx.GraphModule, inputs: Sequence):
@@ -187,7 +199,14 @@ def _clamp(fd, node, x, min=None, max=None):
     return x
 
 
-@_op(aten._to_copy.default, prims.convert_element_type.default)
+def _copy_keeps_device(node: fx.Node) -> bool:
+    """Whether a `_to_copy` only changes dtype/layout, on the device it started on (a checker)."""
+    return (set(node.kwargs) <= {"dtype", "layout", "device", "memory_format"}
+            and node_value(node).device == node_value(node.args[0]).device)
+
+
+@_op(prims.convert_element_type.default)
+@_op(aten._to_copy.default, checker=_copy_keeps_device)
 def _to_copy(fd, node, x, dtype=None, **kwargs):
     want = node_value(node).dtype
     return fd.ops.cast(x, _nv(want))
@@ -229,7 +248,7 @@ def _gelu(fd, node, x, approximate="none"):
     return fd.ops.mul(fd.ops.mul(0.5, x), fd.ops.add(1.0, fd.ops.erf(fd.ops.mul(x, 0.7071067811865476))))
 
 
-@_op(aten.gelu_backward.default)
+@_op(aten.gelu_backward.default, checker=lambda n: n.kwargs.get("approximate", "none") == "none")
 def _gelu_backward(fd, node, grad, x, approximate="none"):
     if approximate != "none":
         raise NotImplementedError("nvfuser: gelu_backward with the tanh approximation")
@@ -245,7 +264,8 @@ def _sum(fd, node, x, dims=None, keepdim=False, dtype=None):
     return fd.ops.sum(_float(fd, x), _dims(dims, _rank(node)), keepdim)
 
 
-@_op(aten.mean.dim, aten.mean.default)
+@_op(aten.mean.default)
+@_op(aten.mean.dim, checker=_static_shapes)
 def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
     rank = _rank(node)
     dims = _dims(dims, rank)
@@ -348,7 +368,7 @@ def _squeeze(fd, node, x, dims):
     return fd.ops.squeeze(x, dims) if dims else x
 
 
-@_op(aten.expand.default)
+@_op(aten.expand.default, checker=_static_shapes)
 def _expand(fd, node, x, shape, implicit=False):
     rank_in, out = _rank(node), list(node_value(node).shape)
     if len(shape) > rank_in:
@@ -356,20 +376,7 @@ def _expand(fd, node, x, shape, implicit=False):
     return fd.ops.expand(x, [int(s) if isinstance(s, int) else s for s in out])
 
 
-def _static_shapes(node: fx.Node) -> bool:
-    v = node_value(node)
-    return all(isinstance(s, int) for s in v.shape) if isinstance(v, torch.Tensor) else True
-
-
 _LAYOUTOPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
                aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
                aten.expand.default, aten.clone.default, aten.alias.default,
                aten.lift_fresh_copy.default, aten._to_copy.default, prims.convert_element_type.default}
-
-CHECKS: dict[object, Callable[[fx.Node], bool]] = {
-    aten.mean.dim: _static_shapes,
-    aten._to_copy.default: lambda n: set(n.kwargs) <= {"dtype", "layout", "device", "memory_format"}
-    and node_value(n).device == node_value(n.args[0]).device,
-    aten.gelu_backward.default: lambda n: n.kwargs.get("approximate", "none") == "none",
-    aten.expand.default: _static_shapes,
-}
