@@ -28,7 +28,8 @@ import torch
 import torch.fx as fx
 
 from ir import Trace, fake_like, node_value
-from ir.torch_ops import LINEARS
+from ir.rewrite import Call, Match, add_call, match, rewrite
+from ir.torch_ops import LINEAR
 
 from .base import PerModel, PreparesGraph, cuda_library_missing
 from .claims import ClaimTable
@@ -143,6 +144,12 @@ def _backward(ctx, grads):
 
 
 te_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the rewrites: what TE takes, what the names of its fp8 state are read from --------------------
+MATMUL = Call((operator.matmul, torch.matmul), ("input", "other"), input="x", other="w")
+STACKED = Call(torch.cat, ("tensors", "dim"), tensors="ws")  # the weights of grouped linears
+TRANSPOSED = Call("contiguous", ("input",), input=Call(torch.t, ("input",), input="w"))  # of x @ W
 
 
 # -- the executor ------------------------------------------------------------------------------------
@@ -267,42 +274,28 @@ class TEExecutor(PerModel, PreparesGraph):
         return ("group_linears",) if self.group_linears else ()
 
     def prepare(self, trace: Trace) -> tuple[Trace, list[tuple[str, str]]]:
-        """Swaps each linear TE can take for `pipeline_te::linear` (before autodiff); returns the new
-        trace and (op, reason) for the linears it left alone."""
-        gm = trace.editable()
-        notes = []
+        """Swaps each linear TE can take for `pipeline_te::linear` (before autodiff), `x @ W` with W a
+        2-D parameter included; returns the new trace and (op, reason) for the ops it left alone."""
+        gm, notes = trace.editable(), []
         specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], trace.inputs))  # what each input is
-        notes += self._matmuls_with_a_weight_as_linears(gm, specs)
-        device = None  # of the linears swapped, for the state allocated below
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target not in LINEARS:
-                continue
-            reason = self._reject(node)
-            if reason:
-                notes.append(("linear", f"te: {reason}; it runs as an ordinary linear"))
-                continue
-            x, w = node.args[0], node.args[1]
-            b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            with gm.graph.inserting_before(node):
-                scaling, index = -1, -1
-                if self.scaling is not None:
-                    name = _linear_name(trace, node, specs)
-                    scaling, index = self.scaling.handle, self.scaling.register(name)
-                call = gm.graph.call_function(torch.ops.pipeline_te.linear.default,
-                                              (x, w, b, self.use_fp8, scaling, index))
-                first = gm.graph.call_function(operator.getitem, (call, 0))
-            y = node_value(node)
-            device = y.device
-            call.meta["val"] = [y] + _fp8_saved_values(node_value(x), node_value(w), self.use_fp8)
-            first.meta["val"] = y
-            if "example_value" in node.meta:
-                first.meta["example_value"] = y
-            node.replace_all_uses_with(first)
-            gm.graph.erase_node(node)
+        rewrite(gm.graph, [(MATMUL, lambda m: self._matmul_as_linear(m, notes), lambda m: _by_weight(m, specs))])
+        swapped = rewrite(gm.graph, [(LINEAR, lambda m: self._swap(m, trace, specs),
+                                      lambda m: self._takes(m.root, "linear", notes))])
         gm.recompile()
-        if device is not None:
-            self._allocate_state(device)
+        if swapped:  # the state allocated below goes to the device of the linears swapped
+            self._allocate_state(node_value(swapped[-1].root).device)
         return trace.derive(gm, by="te.swap_linears" + ("(fp8)" if self.use_fp8 else "")), notes
+
+    def _swap(self, m: Match, trace: Trace, specs: dict) -> None:
+        node, graph, y = m.root, m.root.graph, node_value(m.root)
+        with graph.inserting_before(node):  # delayed scaling: the linear's state, registered by name
+            scaling, index = ((self.scaling.handle, self.scaling.register(_linear_name(trace, m, specs)))
+                              if self.scaling is not None else (-1, -1))
+            call = add_call(graph, torch.ops.pipeline_te.linear.default, (m["x"], m["w"], m["b"], self.use_fp8, scaling,
+                            index), [y] + _fp8_saved_values(m.value("x"), m.value("w"), self.use_fp8))
+            first = add_call(graph, operator.getitem, (call, 0), y)
+        node.replace_all_uses_with(first)
+        graph.erase_node(node)
 
     def _allocate_state(self, device: torch.device) -> None:
         """What the TE ops keep across calls (cuBLAS workspace, quantizers' scales, delayed-scaling
@@ -320,36 +313,27 @@ class TEExecutor(PerModel, PreparesGraph):
                 if self.scaling is not None:
                     self.scaling.allocate(device)
 
-    def _matmuls_with_a_weight_as_linears(self, gm: fx.GraphModule, specs: dict) -> list[tuple[str, str]]:
-        """`x @ W` with W a 2-D parameter becomes `linear(x, W.t().contiguous())` (in place) where TE
-        can take that linear, so TE runs it like a linear layer; the transposed copy of W is part of
-        the graph and its gradient flows back. Returns (op, reason) for the matmuls left alone."""
-        notes = []
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target not in (operator.matmul, torch.matmul) or node.kwargs:
-                continue
-            x, w = node.args
-            xv, wv = node_value(x), node_value(w)
-            if getattr(specs.get(w), "kind", None) != "parameter" or not isinstance(wv, torch.Tensor) or wv.dim() != 2 \
-                    or not isinstance(xv, torch.Tensor) or xv.dim() < 2:
-                continue
-            k, n = wv.shape
-            with gm.graph.inserting_before(node):
-                t = gm.graph.call_function(torch.t, (w,))
-                t.meta["val"] = fake_like(wv, (n, k), stride=(1, n))
-                wt = gm.graph.call_method("contiguous", (t,))
-                wt.meta["val"] = fake_like(wv, (n, k))
-                linear = gm.graph.call_function(torch._C._nn.linear, (x, wt))
-                linear.meta["val"] = node_value(node)
-            reason = self._reject(linear)
-            if reason:  # stays a matmul: no transposed copy for nothing
-                for added in (linear, wt, t):
-                    gm.graph.erase_node(added)
-                notes.append(("matmul", f"te: {reason}; it runs as an ordinary matmul"))
-                continue
+    def _matmul_as_linear(self, m: Match, notes: list) -> None:
+        """`x @ W` becomes `linear(x, W.t().contiguous())` where TE can take that linear, so TE runs it
+        like a linear layer; the transposed copy of W is part of the graph and its gradient flows back."""
+        node, graph, wv = m.root, m.root.graph, m.value("w")
+        k, n = wv.shape
+        with graph.inserting_before(node):
+            t = add_call(graph, torch.t, (m["w"],), fake_like(wv, (n, k), stride=(1, n)))
+            wt = add_call(graph, "contiguous", (t,), fake_like(wv, (n, k)))
+            linear = add_call(graph, torch._C._nn.linear, (m["x"], wt), node_value(node))
+        taken = self._takes(linear, "matmul", notes)  # if not, it stays a matmul: no transposed copy for nothing
+        if taken:
             node.replace_all_uses_with(linear)
-            gm.graph.erase_node(node)
-        return notes
+        for unused in (node,) if taken else (linear, wt, t):
+            graph.erase_node(unused)
+
+    def _takes(self, linear: fx.Node, op: str, notes: list) -> bool:
+        """Whether TE takes `linear`; if not, the reason goes to `notes`, under `op`."""
+        reason = self._reject(linear)
+        if reason:
+            notes.append((op, f"te: {reason}; it runs as an ordinary {op}"))
+        return not reason
 
     def _reject(self, node: fx.Node) -> str | None:
         x, w = node_value(node.args[0]), node_value(node.args[1])
@@ -360,10 +344,7 @@ class TEExecutor(PerModel, PreparesGraph):
         if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
             return f"dtype {x.dtype}/{w.dtype}: TE linears take bf16 or fp16"
         if self.use_fp8:
-            m = 1
-            for s in x.shape[:-1]:
-                m = m * s
-            dims = {"M": m, "K": x.shape[-1], "N": w.shape[0]}
+            dims = {"M": math.prod(x.shape[:-1]), "K": x.shape[-1], "N": w.shape[0]}
             bad = [f"{k}={v}" for k, v in dims.items() if not isinstance(v, int) or v % 16]
             if bad:
                 return f"fp8 needs M, K, N divisible by 16, got {', '.join(bad)}"
@@ -374,16 +355,23 @@ _IMPLEMENTATIONS = {torch.ops.pipeline_te.linear.default: _linear,
                     torch.ops.pipeline_te.linear_backward.default: _linear_backward}
 
 
-def _linear_name(trace: Trace, node: fx.Node, specs: dict) -> str:
+def _by_weight(m: Match, specs: dict) -> bool:
+    """Whether the matmul `m` is `x @ W` with W a 2-D parameter (x at least 2-D)."""
+    xv, wv = m.value("x"), m.value("w")
+    return (getattr(specs.get(m["w"]), "kind", None) == "parameter" and isinstance(wv, torch.Tensor)
+            and wv.dim() == 2 and isinstance(xv, torch.Tensor) and xv.dim() >= 2)
+
+
+def _linear_name(trace: Trace, m: Match, specs: dict) -> str:
     """The qualified name of the linear's weight when it is a parameter (its fp8 state's name),
     else a name unique to this node."""
-    w = node.args[1]
-    if isinstance(w, fx.Node) and w.target is torch.cat:  # grouped linears: named after the first
-        w = w.args[0][0]
-    if isinstance(w, fx.Node) and w.target == "contiguous" and w.args[0].target is torch.t:  # x @ W
-        w = w.args[0].args[0]
+    w = m["w"]
+    if stacked := match(STACKED, w):  # grouped linears: named after the first
+        w = stacked["ws"][0]
+    if transposed := match(TRANSPOSED, w):  # x @ W
+        w = transposed["w"]
     qualname = getattr(specs.get(w), "qualname", None)
-    return qualname or f"{trace.name}.{node.name}"
+    return qualname or f"{trace.name}.{m.root.name}"
 
 
 def _extra_key(name: str, suffix: str) -> str:

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ir import Trace, fake_like, node_value
+from ir.rewrite import add_call
 
 from .base import TracePass, pass_factory
 from .model_transform import ModelTransform
@@ -80,25 +81,16 @@ class FSDP(ModelTransform):
         gather = fcol.all_gather_tensor
         if trained:
             gather = getattr(fcol, "all_gather_single_autograd", None) or fcol.all_gather_tensor_autograd
-        gathered = graph.call_function(gather, (shard, 0, self.group.group_name))
-        gathered.meta["val"] = fake_like(fake_shard, (fake_shard.shape[0] * self.world, *fake_shard.shape[1:]))
-        waited = graph.call_function(fcol.wait_tensor, (gathered,))
-        waited.meta["val"] = gathered.meta["val"]
-        full = waited
+        gathered = add_call(graph, gather, (shard, 0, self.group.group_name),
+                            fake_like(fake_shard, (fake_shard.shape[0] * self.world, *fake_shard.shape[1:])))
+        full = add_call(graph, fcol.wait_tensor, (gathered,), gathered.meta["val"])
         if gathered.meta["val"].shape[0] != original.shape[0]:
-            full = graph.call_method("narrow", (waited, 0, 0, original.shape[0]))
-            full.meta["val"] = fake_like(fake_shard, original.shape)
-        nodes = [gathered, waited, full]
+            full = add_call(graph, "narrow", (full, 0, 0, original.shape[0]), fake_like(fake_shard, original.shape))
         if trained:  # value unchanged (x + 0); gradient scaled by 1/world: the ranks' mean, as one whole batch
-            detached = graph.call_method("detach", (full,))
-            delta = graph.call_function(operator.sub, (full, detached))
-            scaled = graph.call_function(operator.mul, (delta, 1.0 / self.world))
-            full = graph.call_function(operator.add, (detached, scaled))
-            for n in (detached, delta, scaled, full):
-                n.meta["val"] = fake_like(fake_shard, original.shape)
-            nodes += [detached, delta, scaled, full]
-        for n in nodes:
-            n.meta["example_value"] = n.meta["val"]
+            detached = add_call(graph, "detach", (full,), fake_like(fake_shard, original.shape))
+            delta = add_call(graph, operator.sub, (full, detached), fake_like(fake_shard, original.shape))
+            scaled = add_call(graph, operator.mul, (delta, 1.0 / self.world), fake_like(fake_shard, original.shape))
+            full = add_call(graph, operator.add, (detached, scaled), fake_like(fake_shard, original.shape))
         return full
 
     def passes(self):

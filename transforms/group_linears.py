@@ -7,11 +7,11 @@ activations. One GEMM with the weights stacked along N replaces each group: fewe
 concatenated in the trace on every call (a copy of the group's weights; autodiff splits the gradient
 back), and again in the backward where its GEMM needs them: the partitioner would otherwise keep the
 copy alive from forward to backward, a second copy of every grouped weight (0.9 GiB on the 1B Llama
-in bf16; `recompute` tag, as activation checkpointing sets). The output is split along its last
-dim, so results equal the separate linears up to GEMM rounding. A piece is a strided slice; where the model `.view()`s it in a way a slice cannot be
-viewed (merging its last dim), that piece is copied contiguous first. Runs before autodiff, on the torch-level trace; with `te` listed, ask TE for it instead
-(`te.options(group_linears=True)`), since TE swaps the linears before the passes run: TE then names
-this pass in `passes_before_prepare()` and the pipeline runs it just before TE's `prepare`.
+in bf16; `recompute` tag, as activation checkpointing sets). The output is split along its last dim,
+so results equal the separate linears up to GEMM rounding; a piece the model `.view()`s in a way a
+strided slice cannot be viewed (merging its last dim) is copied contiguous first. Runs before
+autodiff; with `te` listed, ask TE for it instead (`te.options(group_linears=True)`): TE swaps the
+linears before the passes run, so the pipeline runs this pass just before TE's `prepare`.
 """
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ir import Trace, fake_like, node_value
-from ir.torch_ops import LINEARS
+from ir.rewrite import Call, Match, add_call, find, match
+from ir.torch_ops import LINEAR, LINEARS
 from ir.typecheck import refresh_values
 
 from .base import TracePass, pass_factory
 
 __all__ = ["group_linears", "group_linears_in", "LINEARS"]
+VIEW = Call("view", ("input", "*shape"), shape="shape")
 
 
 @pass_factory
@@ -44,66 +46,59 @@ def group_linears_in(trace: Trace) -> Trace:
     groups = _groups(gm.graph)
     if not groups:
         return trace
-    pieces = [piece for group in groups for piece in _join(gm.graph, group)]
+    # a group's arguments are read again when it is joined: an earlier group's outputs may feed it
+    pieces = [piece for group in groups for piece in _join(gm.graph, [match(LINEAR, m.root) for m in group])]
     refresh_values(pieces)  # the linears' users now read slices of the stacked output
     gm.graph.lint()
     gm.recompile()
     return trace.derive(gm, by="group_linears")
 
 
-def _parts(node: fx.Node):
-    """(x, weight, bias) of a linear node."""
-    args = list(node.args) + [None] * (3 - len(node.args))
-    return args[0], args[1], node.kwargs.get("bias", args[2])
+def _stackable(m: Match) -> bool:
+    """A linear on a tensor node whose weight is a 2-D tensor node of a static number of rows."""
+    wv, xv = m.value("w"), m.value("x")
+    return isinstance(wv, torch.Tensor) and isinstance(xv, torch.Tensor) and wv.dim() == 2 and isinstance(wv.shape[0], int)
 
 
-def _groups(graph: fx.Graph) -> list[list[fx.Node]]:
+def _groups(graph: fx.Graph) -> list[list[Match]]:
     order = {n: i for i, n in enumerate(graph.nodes)}
-    by_key: dict[tuple, list[fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in LINEARS:
-            continue
-        x, w, b = _parts(node)
-        wv, xv = node_value(w), node_value(x)
-        if not (isinstance(x, fx.Node) and isinstance(w, fx.Node) and isinstance(wv, torch.Tensor)
-                and isinstance(xv, torch.Tensor) and wv.dim() == 2 and isinstance(wv.shape[0], int)):
-            continue
-        by_key.setdefault((x, wv.dtype, wv.device, b is None), []).append(node)
+    by_key: dict[tuple, list[Match]] = {}
+    for m in find(graph, LINEAR, _stackable):
+        wv = node_value(m["w"])
+        by_key.setdefault((m["x"], wv.dtype, wv.device, m["b"] is None), []).append(m)
     groups = []
-    for nodes in by_key.values():
-        first = min(order[n] for n in nodes)
+    for matches in by_key.values():
+        first = min(order[m.root] for m in matches)
         # the stacked weight is built before the group's first linear: its weights must exist there
-        ready = [n for n in nodes if all(not isinstance(a, fx.Node) or order[a] < first for a in _parts(n)[1:])]
+        ready = [m for m in matches if all(not isinstance(a, fx.Node) or order[a] < first for a in (m["w"], m["b"]))]
         if len(ready) >= 2:
             groups.append(ready)
     return groups
 
 
-def _join(graph: fx.Graph, group: list[fx.Node]) -> list[fx.Node]:
-    x, _, bias = _parts(group[0])
-    weights = [_parts(n)[1] for n in group]
+def _join(graph: fx.Graph, group: list[Match]) -> list[fx.Node]:
+    x, bias, weights = group[0]["x"], group[0]["b"], [m["w"] for m in group]
+    nodes = [m.root for m in group]
     widths = [node_value(w).shape[0] for w in weights]
-    y0, w0 = node_value(group[0]), node_value(weights[0])
-    with graph.inserting_before(group[0]):
-        stacked = _call(graph, torch.cat, (weights, 0), fake_like(w0, (sum(widths), w0.shape[1])))
-        stacked.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        b = None
-        if bias is not None:
-            b0 = node_value(bias)
-            b = _call(graph, torch.cat, ([_parts(n)[2] for n in group], 0), fake_like(b0, (sum(widths),)))
-            b.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        y = _call(graph, torch._C._nn.linear, (x, stacked, b), fake_like(y0, (*y0.shape[:-1], sum(widths))))
+    y0, w0 = node_value(nodes[0]), node_value(weights[0])
+    with graph.inserting_before(nodes[0]):
+        stacked = add_call(graph, torch.cat, (weights, 0), fake_like(w0, (sum(widths), w0.shape[1])))
+        b = None if bias is None else add_call(graph, torch.cat, ([m["b"] for m in group], 0),
+                                               fake_like(node_value(bias), (sum(widths),)))
+        for stack in (stacked,) if b is None else (stacked, b):
+            stack.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        y = add_call(graph, torch._C._nn.linear, (x, stacked, b), fake_like(y0, (*y0.shape[:-1], sum(widths))))
         yv = node_value(y)
         pieces = [fake_like(y0, (*y0.shape[:-1], n), stride=yv.stride()) for n in widths]
-        split = _call(graph, torch.split, (y, widths, -1), tuple(pieces))
+        split = add_call(graph, torch.split, (y, widths, -1), tuple(pieces))
         made = []
-        for i, node in enumerate(group):
-            piece = _call(graph, operator.getitem, (split, i), pieces[i])
+        for i, node in enumerate(nodes):
+            piece = add_call(graph, operator.getitem, (split, i), pieces[i])
             if not _views_allowed(node, pieces[i]):  # a user views it in a way a slice cannot be
-                piece = _method(graph, "contiguous", (piece,), fake_like(y0, pieces[i].shape))
+                piece = add_call(graph, "contiguous", (piece,), fake_like(y0, pieces[i].shape))
             node.replace_all_uses_with(piece)
             made.append(piece)
-    for node in group:
+    for node in nodes:
         graph.erase_node(node)
     return made
 
@@ -111,26 +106,11 @@ def _join(graph: fx.Graph, group: list[fx.Node]) -> list[fx.Node]:
 def _views_allowed(node: fx.Node, piece) -> bool:
     """Whether every `.view(...)` of the linear's output is also possible on `piece`, a slice of the
     stacked output (merging its last dim with another, say, is not)."""
-    for user in node.users:
-        if not (user.op == "call_method" and user.target == "view"
-                or user.op == "call_function" and user.target is torch.Tensor.view):
-            continue
-        args = [node_value(a) if isinstance(a, fx.Node) else a for a in user.args[1:]]
+    for view in (m for user in node.users if (m := match(VIEW, user))):
+        args = [node_value(a) if isinstance(a, fx.Node) else a for a in view["shape"] or ()]
         try:
             with piece.fake_mode if hasattr(piece, "fake_mode") else contextlib.nullcontext():
                 piece.view(*args)
         except Exception:
             return False
     return True
-
-
-def _method(graph: fx.Graph, name, args, value) -> fx.Node:
-    node = graph.call_method(name, args)
-    node.meta["val"] = node.meta["example_value"] = value
-    return node
-
-
-def _call(graph: fx.Graph, target, args, value) -> fx.Node:
-    node = graph.call_function(target, args)
-    node.meta["val"] = node.meta["example_value"] = value
-    return node

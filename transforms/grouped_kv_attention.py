@@ -1,22 +1,17 @@
 """`grouped_kv_attention()`: attention reads grouped keys/values directly instead of copies repeated
 to every query head.
 
-Grouped-query attention models (Llama's 8 k/v heads for 32 query heads) often repeat k and v to
-every head before SDPA: `sdpa(q, k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1))`, or
-with Hugging Face's `repeat_kv` (`k[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)`).
-That writes n copies of k and v in the forward and sums the n copies' gradients in the backward;
-SDPA's `enable_gqa=True` gives each query head its group's k/v inside the kernel (the same
-`repeat_interleave` grouping, so results match). H200, bf16, batch 4 x 32 heads x seq 2048 x 64,
-causal, forward + backward with the repeat: cuDNN 0.861 -> 0.764 ms per layer, flash 1.305 ->
-1.232 ms (`benchmarks/sdpa_gpu.py`).
+Grouped-query attention models (Llama's 8 k/v heads for 32 query heads) often repeat k and v to every
+head before SDPA (`k.repeat_interleave(n, dim=1)`, or Hugging Face's `repeat_kv`): n copies of k and v
+written in the forward, their gradients summed in the backward. SDPA's `enable_gqa=True` gives each
+query head its group's k/v inside the kernel (the same grouping, so results match). H200, bf16, batch
+4 x 32 heads x seq 2048 x 64, causal, forward + backward with the repeat: cuDNN 0.861 -> 0.764 ms per
+layer, flash 1.305 -> 1.232 ms (`benchmarks/sdpa_gpu.py`).
 
-Applied only where it can only win: attention in half precision (bf16/fp16 q/k/v, or under autocast,
-as `mixed_precision` sets) on the devices given (CUDA by default). In fp32 no fused CUDA kernel of
-torch 2.11 takes grouped k/v (memory-efficient attention declined them on the H200), and SDPA would
-fall back to its math path, materializing the attention matrix. Not where the repeated copies or k/v
-are written in place before the attention reads them. The compiler runs it on every
-captured graph after the before-autodiff passes (`pipeline/compiler.py`); it is a pass too, and the
-traces show it as a step.
+Applied only where it can only win (`_can_win`, the guard of this one-rule `ir.rewrite`): attention in
+half precision on the devices given (CUDA by default); in fp32 no fused CUDA kernel of torch 2.11 takes
+grouped k/v (memory-efficient attention declined them on the H200), and SDPA would fall back to its
+math path, materializing the attention matrix.
 """
 from __future__ import annotations
 
@@ -28,13 +23,38 @@ import torch
 import torch.fx as fx
 
 from ir import Trace, node_value
+from ir.rewrite import Call, Either, Match, rewrite
 
 from .base import TracePass, pass_factory
 
-SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 HALF = (torch.bfloat16, torch.float16)
 SIZE_MATH = (operator.mul, operator.floordiv, operator.add, operator.sub)
-SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def _only_new_axes(index) -> bool:
+    """An index that only inserts axes (None) and takes whole dims (`:` or `...`)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or i == slice(None) for i in items)
+
+
+def _repeated(x: str) -> Either:
+    """`x` with its heads repeated, binding `x` (the source) and `x_repeat` (the last call), and
+    `x_n` (`x.repeat_interleave(n, dim=1)`) or `x_new_axis`, `x_expanded` (Hugging Face's `repeat_kv`:
+    `x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)`); `_heads_repeated` checks shapes."""
+    new_axis = (Call("unsqueeze", ("input", "dim"), x + "_new_axis", input=x)
+                | Call(("__getitem__", operator.getitem), ("input", "index"), x + "_new_axis", input=x,
+                       index=_only_new_axes))
+    expanded = Call("expand", ("input", "*size"), x + "_expanded", input=new_axis)
+    return (Call("repeat_interleave", ("input", "repeats", "dim"), x + "_repeat", input=x, repeats=x + "_n",
+                 dim=lambda d: d in (1, -3))
+            | Call(("reshape", "view"), ("input", "*shape"), x + "_repeat", input=expanded))
+
+
+# SDPA on repeated k and v, not yet grouped
+ATTENTION_ON_REPEATS = Call(
+    (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention),
+    ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+    query="q", key=_repeated("k"), value=_repeated("v"), enable_gqa=lambda gqa: not gqa)
 
 
 @pass_factory
@@ -50,42 +70,46 @@ def grouped_kv_attention_in(trace: Trace, devices: Sequence[str] = ("cuda",)) ->
     gm = trace.editable()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     writes = [order[n] for n in gm.graph.nodes if _writes(n)]
-    bypassed = [chain for node in list(gm.graph.nodes) for chain in _rewrite(node, devices, order, writes)]
-    if not bypassed:
+    done = rewrite(gm.graph, [(ATTENTION_ON_REPEATS, _read_grouped, lambda m: _can_win(m, devices, order, writes))])
+    if not done:
         return trace
-    _erase_unused([n for chain in bypassed for n in chain])
+    _erase_unused([n for m in done for n in m.nodes[1:]])
     gm.graph.lint()
     gm.recompile()
     return trace.derive(gm, by="grouped_kv_attention")
 
 
-def _rewrite(node: fx.Node, devices, order, writes) -> list[list[fx.Node]]:
-    """Points the SDPA `node` at the grouped k/v if it reads repeated ones and can only win; returns
-    the repeat chains it no longer reads (none: left alone)."""
-    if node.op != "call_function" or node.target not in SDPA or node.kwargs.get("enable_gqa"):
-        return []
-    args = {**dict(zip(SDPA_ARGS, node.args)), **node.kwargs}
-    q, k, v = (args.get(name) for name in SDPA_ARGS[:3])
-    rk, rv = _repeat_of(k), _repeat_of(v)
-    if rk is None or rv is None or rk[1] != rv[1]:
-        return []
-    # half precision where the attention runs: its inputs' dtype, or its output's under autocast
-    # (`mixed_precision`: q/k/v may still be fp32 there, autocast casts them for SDPA)
-    out, qv, kv, vv = (node_value(n) for n in (node, q, rk[0], rv[0]))
-    if not (isinstance(out, torch.Tensor) and out.dtype in HALF and all(
-            isinstance(t, torch.Tensor) and t.dim() == 4 and t.device.type in devices for t in (qv, kv, vv))):
-        return []
-    if not _same((kv.shape[1] * rk[1], vv.shape[1]), (qv.shape[1], kv.shape[1])):
-        return []
-    # the repeats are copies: a write into them, or into k/v, before the attention reads them would
-    # make the grouped k/v differ from what the attention read
-    first = min(order[n] for n in rk[2] + rv[2])
-    if any(first <= w < order[node] for w in writes):
-        return []
-    args.update(key=rk[0], value=rv[0])
-    positional = [args.pop(name) for name in SDPA_ARGS[:len(node.args)]]
-    node.args, node.kwargs = tuple(positional), {**args, "enable_gqa": True}
-    return [rk[2], rv[2]]
+def _read_grouped(m: Match) -> None:
+    for x in "kv":
+        m.root.replace_input_with(m[x + "_repeat"], m[x])
+    m.root.kwargs = {**m.root.kwargs, "enable_gqa": True}
+
+
+def _can_win(m: Match, devices, order, writes) -> bool:
+    """Whether the attention `m` matched repeats k/v heads per group, in half precision on `devices`
+    (its inputs' dtype, or its output's under autocast: `mixed_precision` leaves q/k/v in fp32), and
+    nothing writes into the repeats or k/v before it reads them (the grouped k/v would then differ)."""
+    nk, nv = _heads_repeated(m, "k"), _heads_repeated(m, "v")
+    out, qv, kv, vv = node_value(m.root), m.value("q"), m.value("k"), m.value("v")
+    first = min(order[n] for n in m.nodes[1:])
+    return (nk is not None and nk == nv and isinstance(out, torch.Tensor) and out.dtype in HALF
+            and all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.device.type in devices for t in (qv, kv, vv))
+            and _same((kv.shape[1] * nk, vv.shape[1]), (qv.shape[1], kv.shape[1]))
+            and not any(first <= w < order[m.root] for w in writes))
+
+
+def _heads_repeated(m: Match, x: str) -> Optional[int]:
+    """n, when the repeat bound under `x` repeats each head of the 4-D [batch, heads, seq, head_dim]
+    tensor `x` n times consecutively (an int n); else None."""
+    src, u, e, r = (m.value(x + s) for s in ("", "_new_axis", "_expanded", "_repeat"))
+    if not isinstance(src, torch.Tensor) or src.dim() != 4:
+        return None
+    if x + "_n" in m:  # repeat_interleave
+        return m[x + "_n"] if isinstance(m[x + "_n"], int) else None
+    (b, h, s, d), n = src.shape, e.shape[2] if isinstance(e, torch.Tensor) and e.dim() == 5 else None
+    ok = (isinstance(n, int) and isinstance(u, torch.Tensor) and isinstance(r, torch.Tensor)
+          and (tuple(u.shape), tuple(e.shape)) == ((b, h, 1, s, d), (b, h, n, s, d)) and _same(r.shape, (b, h * n, s, d)))
+    return n if ok else None
 
 
 def _erase_unused(nodes: list[fx.Node]) -> None:
@@ -102,80 +126,14 @@ def _erase_unused(nodes: list[fx.Node]) -> None:
             work.extend(inputs)
 
 
-def _repeat_of(node) -> Optional[tuple[fx.Node, int, list[fx.Node]]]:
-    """(source, n, the nodes doing the repeat, last first) when `node` repeats each head of a 4-D
-    [batch, heads, seq, head_dim] tensor n times consecutively (an int n): `source.repeat_interleave(n,
-    dim=1)`, or `source[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)` (Hugging Face's
-    `repeat_kv`); else None."""
-    return _repeat_interleave(node) or _expand_reshape(node)
-
-
-def _repeat_interleave(node):
-    if not _is(node, "repeat_interleave", (torch.repeat_interleave, torch.Tensor.repeat_interleave)):
-        return None
-    source, repeats, dim = (_arg(node, i, name) for i, name in enumerate(("input", "repeats", "dim")))
-    value = node_value(source) if isinstance(source, fx.Node) else None
-    if not (isinstance(repeats, int) and isinstance(value, torch.Tensor) and value.dim() == 4
-            and dim in (1, -3) and "output_size" not in node.kwargs):
-        return None
-    return source, repeats, [node]
-
-
-def _expand_reshape(node):
-    if not _is(node, ("reshape", "view"), (torch.reshape, torch.Tensor.reshape, torch.Tensor.view)):
-        return None
-    expand = _arg(node, 0, "input")
-    if not _is(expand, "expand", (torch.Tensor.expand,)):
-        return None
-    unsqueezed = _arg(expand, 0, "input")
-    if not (_is(unsqueezed, "unsqueeze", (torch.unsqueeze, torch.Tensor.unsqueeze))
-            or _is(unsqueezed, "__getitem__", (operator.getitem,)) and _only_new_axes(_arg(unsqueezed, 1, "index"))):
-        return None
-    source = _arg(unsqueezed, 0, "input")
-    values = [node_value(n) if isinstance(n, fx.Node) else None for n in (source, unsqueezed, expand, node)]
-    if not all(isinstance(v, torch.Tensor) for v in values):
-        return None
-    src, u, e, r = (tuple(v.shape) for v in values)
-    if len(src) != 4 or len(e) != 5 or not isinstance(e[2], int):
-        return None
-    b, h, s, d = src
-    n = e[2]
-    if u != (b, h, 1, s, d) or e != (b, h, n, s, d) or not _same(r, (b, h * n, s, d)):
-        return None
-    return source, n, [node, expand, unsqueezed]
-
-
-def _arg(node: fx.Node, i: int, name: str):
-    """Argument `i` of a call, given by position or by name (`self` for a tensor method's first)."""
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, node.kwargs.get("self") if i == 0 else None)
-
-
 def _writes(node: fx.Node) -> bool:
     """Whether `node` may write into a tensor: an in-place method or function (`mul_`, `copy_`),
     item assignment, `out=`/`inplace=True`, or an op whose schema mutates an argument."""
-    if node.op not in ("call_method", "call_function"):
-        return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     schema = getattr(node.target, "_schema", None)
-    return (name.endswith("_") and not name.endswith("__") or node.target is operator.setitem
-            or "out" in node.kwargs or node.kwargs.get("inplace") is True
-            or schema is not None and schema.is_mutable)
-
-
-def _is(node, methods, functions) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    methods = (methods,) if isinstance(methods, str) else methods
-    return (node.op == "call_method" and node.target in methods
-            or node.op == "call_function" and node.target in functions)
-
-
-def _only_new_axes(index) -> bool:
-    """An index that only inserts axes (None) and takes whole dims (`:` or `...`)."""
-    items = index if isinstance(index, tuple) else (index,)
-    return all(i is None or i is Ellipsis or i == slice(None) for i in items)
+    return node.op in ("call_method", "call_function") and (
+        name.endswith("_") and not name.endswith("__") or node.target is operator.setitem
+        or "out" in node.kwargs or node.kwargs.get("inplace") is True or schema is not None and schema.is_mutable)
 
 
 def _same(a, b) -> bool:

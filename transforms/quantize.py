@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ir import fake_like, node_value
+from ir.rewrite import add_call
 
 from .model_transform import ModelTransform
 
@@ -59,12 +60,9 @@ class WeightOnlyQuantization(ModelTransform):
 
     def rebuild(self, graph: fx.Graph, inputs, original):
         q, scale = inputs["q"], inputs["scale"]
-        wide = graph.call_method("to", (q, original.dtype))
-        value = graph.call_function(torch.mul, (wide, scale))
         fake = fake_like(node_value(q), original.shape, dtype=original.dtype, device=original.device)
-        wide.meta["val"] = wide.meta["example_value"] = fake
-        value.meta["val"] = value.meta["example_value"] = fake
-        return value
+        wide = add_call(graph, "to", (q, original.dtype), fake)
+        return add_call(graph, torch.mul, (wide, scale), fake)
 
 
 def quantize(kind: str = "int8") -> WeightOnlyQuantization:
