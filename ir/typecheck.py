@@ -186,6 +186,8 @@ def _run(node: fx.Node, env: dict):
             return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
 
     args, kwargs = tree_map(into_mode, (args, kwargs))
+    if kwargs.get("pin_memory"):  # pinned host memory: fake tensors cannot make it, and it changes no
+        kwargs = {**kwargs, "pin_memory": False}  # shape, dtype, device or stride compared here
     with mode if mode is not None else contextlib.nullcontext():
         if node.op == "call_method":
             self_arg, *rest = args

@@ -298,3 +298,22 @@ def test_a_wrong_backward_region_with_donated_inputs_raises_once_then_runs_on_th
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
     assert {r.executor for r in pipeline.regions(cm)} == {"torch"}
+
+
+def test_a_copy_to_pinned_host_memory_checks():
+    """cpu_offload's copies (`_to_copy(..., pin_memory=True)`) are re-derived without the pinning,
+    which fake tensors cannot make and which changes no metadata the verifier compares."""
+    from ir.typecheck import check_types
+    cm = pipeline.jit(mm_relu, executors=["torch"])
+    cm(torch.randn(3, 5), torch.randn(5, 4))
+    trace = next(t for t in pipeline.last_traces(cm) if t.stage.value in ("forward", "inference"))
+    gm = trace.editable()
+    mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    with gm.graph.inserting_after(mm):
+        copy_ = gm.graph.call_function(torch.ops.aten._to_copy.default, (mm,),
+                                       {"device": torch.device("cpu"), "pin_memory": True, "non_blocking": True})
+    copy_.meta["val"] = mm.meta["val"].to("cpu")
+    check_types(trace.derive(gm, by="pinned copy"), before=trace, pass_name="pinned copy")
+    copy_.meta["val"] = mm.meta["val"].t()  # and a wrong claim is still caught
+    with pytest.raises(Exception, match="claims shape"):
+        check_types(trace.derive(gm, by="pinned copy"), before=trace, pass_name="pinned copy")
