@@ -299,6 +299,11 @@ class GraphCache:
         self.wrapped = True
         self._save()
 
+    def aot_entry_done(self, data: bytes, seconds: float) -> None:
+        """AOTAutograd's entry for this graph (`warm_start`): a warm start loads it instead of lowering."""
+        self.entry["aot"] = data
+        self.record.seconds["cache"] += seconds
+
     def stage_done(self, stage: str, lowered_fingerprint: str, execution, executed) -> None:
         """After a stage's dispatch: checks it against the stored entry; a stage compiled after
         the wrappers (a lazily compiled backward) writes the entry again."""

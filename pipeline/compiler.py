@@ -10,12 +10,14 @@ fails runs in eager (the Dynamo graph as captured) with the reason recorded.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.fx as fx
 from functorch.compile import min_cut_rematerialization_partition
+from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import CompileContext, TracingContext
 
@@ -25,11 +27,12 @@ from ir.typecheck import check_types, structure
 from transforms import TracePass
 from transforms.group_linears import group_linears_in
 
-from . import cuda_graphs
+from . import cuda_graphs, warm_start
 from .cache import GraphCache
 from .fallbacks import PipelineFallbackError, report_fallback
 from .record import GraphRecord
 from .runtime_wrappers import BoxedStage, graph_wrappers, post_compile_all, pre_compile_all, wrapper_metadata
+from .warm_start import StageCode
 from .specs import captured_input_specs, lowered_input_specs, lowered_output_specs
 
 
@@ -104,6 +107,9 @@ class PipelineBackend:
         wrappers = graph_wrappers(state)  # e.g. model-changing transforms (stage 2) feed their tensors
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
         timed_verify(record, trace)
+        warm = self._warm_start(cache, trace, example_inputs, wrapper_metadata(wrappers), record)
+        if warm is not None:
+            return post_compile_all(wrappers, warm)
         for executor in state.config.executors:  # model-level swaps (stage 2), e.g. TE's linears
             prepared, notes = executor.prepare(_executor_passes(executor, trace))
             record.fallbacks += notes
@@ -114,20 +120,59 @@ class PipelineBackend:
         stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache)
         start = time.perf_counter()
         inner_before = sum(record.seconds.values())
-        compiled = aot_module_simplified(
-            trace.module, list(example_inputs),
-            fw_compiler=functools.partial(stage, "forward"),
-            bw_compiler=functools.partial(stage, "backward"),
-            inference_compiler=functools.partial(stage, "inference"),
-            partition_fn=functools.partial(self._partition, record=record, captured=trace),
-            decompositions={op: fn for ex in state.config.executors
-                            for op, fn in ex.decompositions_before_partition().items()},
-        )
+        with self._recording_warm_start(cache, trace, example_inputs, record):
+            compiled = aot_module_simplified(
+                trace.module, list(example_inputs),
+                fw_compiler=SerializableAOTDispatchCompiler(StageCode, functools.partial(stage, "forward")),
+                bw_compiler=functools.partial(stage, "backward"),
+                inference_compiler=functools.partial(stage, "inference"),
+                partition_fn=functools.partial(self._partition, record=record, captured=trace),
+                decompositions={op: fn for ex in state.config.executors
+                                for op, fn in ex.decompositions_before_partition().items()},
+            )
         inner = sum(record.seconds.values()) - inner_before
         record.seconds["lower"] += time.perf_counter() - start - inner
         if cache is not None:
             cache.wrappers_done(wrapper_metadata(wrappers))
         return post_compile_all(wrappers, compiled)
+
+    def _warm_start(self, cache, trace: Trace, example_inputs, wrappers: list, record: GraphRecord):
+        """The compiled function from a stored entry, with no lowering (`warm_start`); None when the
+        entry has none, or it does not load (then the graph compiles, the reason noted)."""
+        stored = cache.stored if cache is not None else None
+        if not stored or not stored.get("aot") or stored.get("wrappers") != wrappers:
+            return None
+        start, inner_before = time.perf_counter(), sum(record.seconds.values())
+        loader = functools.partial(self._load_stage, record=record, cache=cache)
+        try:
+            compiled = warm_start.load_entry(stored["aot"], loader)
+        except Exception as e:  # a stale entry (another torch): compile as if it were not there
+            record.cache_notes.append(f"warm start failed ({type(e).__name__}: {str(e)[:200]}); compiled")
+            log.info("%s: warm start failed: %s", record.graph_id, e, exc_info=True)
+            del record.regions[:], record.traces[1:]
+            return None
+        inner = sum(record.seconds.values()) - inner_before
+        record.seconds["cache"] += time.perf_counter() - start - inner
+        cache.entry["aot"] = stored["aot"]
+        cache.wrappers_done(wrappers)
+        log.info("%s: warm start: loaded without lowering", record.graph_id)
+        return compiled
+
+    def _load_stage(self, code: StageCode, *, record: GraphRecord, cache) -> Callable:
+        trace = record.add_trace(code.trace)
+        example_inputs = [n.meta.get("val") for n in trace.placeholders()]
+        return self._execute(code.stage, trace, code.donated, example_inputs, record=record, cache=cache,
+                             lowered=code.lowered)
+
+    def _recording_warm_start(self, cache, trace: Trace, example_inputs, record: GraphRecord):
+        """While lowering: AOTAutograd's own cache entry for this graph goes into ours."""
+        if cache is None:
+            return contextlib.nullcontext()
+        why_not = warm_start.why_not(trace.module, example_inputs)
+        if why_not is not None:
+            record.cache_notes.append(f"no warm start: {why_not}")
+            return contextlib.nullcontext()
+        return warm_start.record_entry(cache.key, cache.aot_entry_done, record.cache_notes.append)
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
         """AOTAutograd's partition hook: joint passes run here (the default `save_policy` among
@@ -162,6 +207,13 @@ class PipelineBackend:
         donated_names = {n.name for i, n in enumerate(trace.placeholders()) if i in positions}
         trace = self._run_passes("after_autodiff", trace, record)
         donated = [i for i, n in enumerate(trace.placeholders()) if n.name in donated_names]
+        run = self._execute(stage, trace, donated, example_inputs, record=record, cache=cache, lowered=lowered)
+        return StageCode(run, stage, trace, donated, lowered)
+
+    def _execute(self, stage: str, trace: Trace, donated: list, example_inputs, *, record: GraphRecord,
+                 cache: GraphCache | None, lowered: str) -> Callable:
+        """A stage's trace, after its passes, dispatched to the executors (its regions loaded from
+        the artifact cache where they are there), boxed, and recorded as a CUDA graph if asked."""
         start = time.perf_counter()
         execution = dispatch(trace, self.state.config.executors, stage=stage, graph_id=record.graph_id,
                              first_region_id=sum(len(r.regions) for r in self.state.history.records),

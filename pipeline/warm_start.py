@@ -1,0 +1,157 @@
+"""A warm start without lowering: AOTAutograd's own cache entry, kept in our cache.
+
+On a cold compile, AOTAutograd is asked to make the entry its `AOTAutogradCache` would store
+(`bundled_autograd_cache`: the compiled stages are kept whole, as `StageCode` objects): its
+runtime metadata (views, mutations, which forward outputs the backward saves), its dispatch
+wrappers, and for each stage the trace that dispatch ran on. Nothing goes to torch's cache
+directory: the entry is handed to us (`record_entry`), pickled into the graph's cache entry, and
+sealed with this user's key like the rest of it.
+
+On a hit, `load_entry` rebuilds the compiled function with AOTAutograd's own loader
+(`deserialize_bundled_cache_entry`): no tracing, no functionalization, no partitioning, no passes.
+Each stage's trace goes through dispatch again, which loads its regions from the artifact cache,
+so the result checks, the region table and CUDA-graph recording are the ones a cold compile makes.
+
+Only graphs of static shapes with no parameters of their own take this path; the others (and any
+entry that does not load) compile as before, the reason noted in the record.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import pickle
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch._inductor.output_code import OutputCode
+
+from ir import Trace
+
+# the function that turns a loaded StageCode's trace into the callable it runs (set while loading)
+_LOADER: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("pipeline_stage_loader", default=None)
+
+
+class StageCode(OutputCode):
+    """One compiled stage as AOTAutograd sees it: called on its argument list (boxed). Pickles as
+    the trace dispatch ran on (its graph with fake values, via torch's GraphPickler) and the
+    fingerprint of the lowered trace it came from; loading dispatches that trace again."""
+
+    def __init__(self, run: Callable, stage: str, trace: Trace, donated: list, lowered: str):
+        self._boxed_call = True  # an instance attribute: wrappers (functools.wraps) copy __dict__ only
+        self.run, self.stage, self.trace, self.donated, self.lowered = run, stage, trace, donated, lowered
+        self._graph_bytes: Optional[bytes] = None  # set for pickling (prepare_for_serialization)
+        self._trace_fields: Optional[tuple] = None
+
+    def __call__(self, inputs):
+        return self.run(inputs)
+
+    def __copy__(self):  # AOTAutograd copies a stage before preparing it for pickling
+        new = object.__new__(StageCode)
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def prepare_for_serialization(self) -> None:
+        from torch.fx._graph_pickler import GraphPickler, Options
+        t = self.trace
+        self._graph_bytes = GraphPickler.dumps(t.module, Options(ops_filter=None))
+        self._trace_fields = (t.name, t.level, t.stage, t.inputs, t.outputs, t.provenance)
+        self.run = self.trace = None
+
+    def __getstate__(self):
+        if self._graph_bytes is None:
+            raise TypeError("StageCode pickles only after prepare_for_serialization")
+        return {"stage": self.stage, "donated": self.donated, "lowered": self.lowered,
+                "graph": self._graph_bytes, "trace": self._trace_fields}
+
+    def __setstate__(self, state):
+        self.stage, self.donated, self.lowered = state["stage"], state["donated"], state["lowered"]
+        self._graph_bytes, self._trace_fields, self.run, self.trace = state["graph"], state["trace"], None, None
+        self._boxed_call = True
+
+    def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+        if self.run is not None:
+            return
+        from torch._subclasses import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+        loader = _LOADER.get()
+        if loader is None:
+            raise RuntimeError("a pipeline stage was loaded outside pipeline.warm_start.load_entry")
+        gm = GraphPickler.loads(self._graph_bytes, FakeTensorMode(shape_env=ShapeEnv()))
+        name, level, stage, inputs, outputs, provenance = self._trace_fields
+        self.trace = Trace(gm, name=name, level=level, stage=stage, inputs=inputs, outputs=outputs,
+                           provenance=provenance)
+        self.run = loader(self)
+
+    def set_triton_bundle(self, triton_bundle) -> None:
+        pass
+
+
+def why_not(gm: fx.GraphModule, example_inputs) -> Optional[str]:
+    """Why this captured graph cannot start warm (None: it can)."""
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        return "the graph holds parameters or buffers of its own"
+    for v in example_inputs:
+        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
+                isinstance(s, int) for s in (*v.shape, *v.stride()))):
+            return "symbolic shapes"
+    return None
+
+
+@contextlib.contextmanager
+def record_entry(key: str, on_entry: Callable[[bytes, float], None], on_failure: Callable[[str], None]):
+    """While compiling with `aot_module_simplified`: AOTAutograd makes its bundled cache entry for
+    this graph and hands it to `on_entry` (pickled, with the seconds pickling took) instead of its own cache, or says to `on_failure`
+    why it could not (the graph still compiles; it only starts warm no faster than lowering). The
+    backward compiles with the forward (not lazily), so the entry is complete when this block ends."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._functorch._aot_autograd.schemas import AOTAutogradCacheInfo
+
+    def start(mod, args, aot_config, *rest, **kwargs):  # instead of a lookup: the key to save under
+        info = AOTAutogradCacheInfo(key, time.time_ns(), forward_symints=[])
+        if dataclasses.is_dataclass(aot_config) and type(aot_config).__dataclass_params__.frozen:
+            return None, dataclasses.replace(aot_config, cache_info=info)  # torch >= 2.12
+        aot_config.cache_info = info  # torch 2.11
+        return None
+
+    def save(_key, entry, remote=False):
+        start = time.perf_counter()
+        try:
+            entry.pre_save()
+            data = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # e.g. a model class defined inside a function: not picklable
+            on_failure(f"no warm start: the lowered graph does not pickle ({type(e).__name__}: {str(e)[:200]})")
+            return
+        on_entry(data, time.perf_counter() - start)
+
+    patched = {"enable_autograd_cache": True, "bundled_autograd_cache": True,
+               "force_non_lazy_backward_lowering": True}
+    with functorch_config.patch(patched), \
+            _replaced(AOTAutogradCache, "try_load", staticmethod(start)), \
+            _replaced(AOTAutogradCache, "save", staticmethod(save)):
+        yield
+
+
+def load_entry(data: bytes, loader: Callable[[StageCode], Callable]) -> Callable:
+    """The compiled function of a stored entry; `loader(stage_code)` makes each stage's callable."""
+    from torch._functorch._aot_autograd.aot_autograd_result import deserialize_bundled_cache_entry
+    entry = pickle.loads(data)  # authentic: the caller read it from an entry sealed with our key
+    token = _LOADER.set(loader)
+    try:
+        return deserialize_bundled_cache_entry(entry)
+    finally:
+        _LOADER.reset(token)
+
+
+@contextlib.contextmanager
+def _replaced(owner, name: str, value):
+    original = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)

@@ -1,0 +1,64 @@
+"""A cache hit starts warm: AOTAutograd's own entry, kept in ours, is loaded instead of lowering
+again (`pipeline/warm_start.py`); whatever cannot take that path still compiles, saying why."""
+import copy
+
+import torch
+import torch.nn as nn
+
+import pipeline
+from pipeline import warm_start
+from test_cache import assert_identical, compile_and_step
+
+
+def notes(cm):
+    return [n for _, n in pipeline.compile_stats(cm).cache_notes]
+
+
+def stages(cm):
+    return [t.stage.value for t in pipeline.last_traces(cm)]
+
+
+def test_a_hit_loads_without_lowering_and_is_bit_identical(mlp):
+    x = torch.randn(4, 16)
+    eager = copy.deepcopy(mlp)
+    cold, out0, grads0 = compile_and_step(mlp, x)
+    warm, out1, grads1 = compile_and_step(mlp, x)
+    assert "joint" in stages(cold) and "lower" in pipeline.compile_stats(cold).seconds
+    stats = pipeline.compile_stats(warm)
+    assert stats.cache == {"g0": "hit"} and "lower" not in stats.seconds
+    assert stages(warm) == ["captured", "forward", "forward", "backward", "backward"]  # no joint: nothing traced
+    assert {r.executor for r in pipeline.regions(warm)} == {"torch"}
+    assert torch.equal(out0, out1)
+    assert_identical(grads0, grads1)
+    eager(x).sum().backward()
+    assert_identical(grads1, [p.grad for p in eager.parameters()])
+
+
+def test_an_entry_that_does_not_load_compiles_with_the_reason(mlp, monkeypatch):
+    x = torch.randn(4, 16)
+    _, out0, grads0 = compile_and_step(mlp, x)
+
+    def stale(data, loader):
+        raise RuntimeError("entry from another torch")
+    monkeypatch.setattr(warm_start, "load_entry", stale)
+    warm, out1, grads1 = compile_and_step(mlp, x)
+    assert "lower" in pipeline.compile_stats(warm).seconds
+    assert any("warm start failed (RuntimeError: entry from another torch)" in n for n in notes(warm))
+    assert torch.equal(out0, out1)
+    assert_identical(grads0, grads1)
+
+
+def test_a_graph_that_does_not_pickle_compiles_and_says_why():
+    class Local(nn.Module):  # a class defined in a function: pickle cannot name it
+        def forward(self, x):
+            return x.sin() * 2
+    model = nn.Sequential(nn.Linear(5, 4), Local())
+    cm, _, _ = compile_and_step(model, torch.randn(3, 5))
+    assert any(n.startswith("no warm start: the lowered graph does not pickle") for n in notes(cm)), notes(cm)
+
+
+def test_symbolic_shapes_compile_without_a_warm_start(mlp):
+    torch._dynamo.reset()
+    cm = pipeline.jit(mlp, executors=["torch"], dynamic=True)
+    cm(torch.randn(4, 16)).sum().backward()
+    assert "no warm start: symbolic shapes" in notes(cm)
