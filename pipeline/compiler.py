@@ -107,20 +107,26 @@ class PipelineBackend:
         wrappers = graph_wrappers(state)  # e.g. model-changing transforms (stage 2) feed their tensors
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
         timed_verify(record, trace)
-        warm = self._warm_start(cache, trace, example_inputs, wrapper_metadata(wrappers), record)
-        if warm is not None:
-            return post_compile_all(wrappers, warm)
+        rewrote = []  # executors whose prepare changed the graph: it may bind per-model state (TE's fp8 scaling)
         for executor in state.config.executors:  # model-level swaps (stage 2), e.g. TE's linears
             prepared, notes = executor.prepare(_executor_passes(executor, trace))
             record.fallbacks += notes
             if prepared is not trace:
                 check_built_in(trace, prepared, f"{executor.name}.prepare", record)
                 trace = record.add_trace(prepared)
+                rewrote.append(f"{executor.name}.prepare")
+        if cache is not None and rewrote:
+            record.cache_notes.append(f"no warm start: {', '.join(rewrote)} rewrote the graph (its ops may "
+                                      f"name this model's own state)")
+        elif cache is not None:
+            warm = self._warm_start(cache, trace, example_inputs, wrapper_metadata(wrappers), record)
+            if warm is not None:
+                return post_compile_all(wrappers, warm)
         trace = self._run_passes("before_autodiff", trace, record)
         stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache)
         start = time.perf_counter()
         inner_before = sum(record.seconds.values())
-        with self._recording_warm_start(cache, trace, example_inputs, record):
+        with self._recording_warm_start(cache if not rewrote else None, trace, example_inputs, record):
             compiled = aot_module_simplified(
                 trace.module, list(example_inputs),
                 fw_compiler=SerializableAOTDispatchCompiler(StageCode, functools.partial(stage, "forward")),
@@ -143,13 +149,14 @@ class PipelineBackend:
         if not stored or not stored.get("aot") or stored.get("wrappers") != wrappers:
             return None
         start, inner_before = time.perf_counter(), sum(record.seconds.values())
+        kept_traces, kept_regions = len(record.traces), len(record.regions)
         loader = functools.partial(self._load_stage, record=record, cache=cache)
         try:
             compiled = warm_start.load_entry(stored["aot"], loader)
         except Exception as e:  # a stale entry (another torch): compile as if it were not there
             record.cache_notes.append(f"warm start failed ({type(e).__name__}: {str(e)[:200]}); compiled")
             log.info("%s: warm start failed: %s", record.graph_id, e, exc_info=True)
-            del record.regions[:], record.traces[1:]
+            del record.regions[kept_regions:], record.traces[kept_traces:]
             return None
         inner = sum(record.seconds.values()) - inner_before
         record.seconds["cache"] += time.perf_counter() - start - inner

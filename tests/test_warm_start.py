@@ -62,3 +62,27 @@ def test_symbolic_shapes_compile_without_a_warm_start(mlp):
     cm = pipeline.jit(mlp, executors=["torch"], dynamic=True)
     cm(torch.randn(4, 16)).sum().backward()
     assert "no warm start: symbolic shapes" in notes(cm)
+
+
+def test_a_graph_an_executor_prepared_starts_without_the_stored_entry(mlp):
+    """An executor's `prepare` may bind this model's own state into the graph (TE's fp8 scaling
+    handles): such a graph is lowered again on a hit, never loaded with another model's bindings."""
+    from executors import Executor
+    from executors.torch_executor import torch_executor
+
+    class Preparing(Executor):
+        name = "preparing"
+
+        def claims_op(self, op, node):
+            return torch_executor.claims_op(op, node)
+
+        def compile_region(self, gm, example_inputs):
+            return gm
+
+        def prepare(self, trace):
+            return trace.derive(trace.editable(), by="preparing.prepare"), []
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        cm, _, _ = compile_and_step(mlp, x, executors=[Preparing()])
+        assert "lower" in pipeline.compile_stats(cm).seconds
+        assert "no warm start: preparing.prepare rewrote the graph (its ops may name this model's own state)" in notes(cm)
