@@ -2,15 +2,15 @@
 
 Key: a hash of the captured graph (its code and input metadata), the trace passes (each pass's
 qualified name and a hash of its source and closure), the model-changing transforms, the executors
-(names and `cache_token`s), the torch and Python versions, and a hash of the pipeline's own source
+(names and `cache_token`s), the global modes it lowers under (grad, autocast), the torch and Python versions, and a hash of the pipeline's own source
 (`ir`, `executors`, `pipeline`, `transforms`: a change to how regions are formed or compiled must not
 load artifacts built the old way). A pass that sets `cacheable = False`
 (see `uncached`), or whose source cannot be read, turns the cache off for the graph, with the reason.
 
 Entry: per stage the lowered trace's fingerprint and its regions, the runtime wrappers' metadata, and
-each region's executor artifact keyed by the region's own hash (`executors.region_keys.region_key`). On a
-hit the pipeline still captures, runs the passes, lowers and partitions (cheap), but rebuilds each
-region from its artifact instead of compiling it.
+each region's executor artifact keyed by the region's own hash (`executors.region_keys.region_key`), and
+AOTAutograd's own entry for the graph: on a hit the pipeline captures, then loads that entry instead of
+lowering (`warm_start`) and rebuilds each region from its artifact instead of compiling it.
 
 Files live under `PIPELINE_CACHE_DIR` (default `~/.cache/fxpipeline`); `PIPELINE_CACHE=0` or
 `jit(..., cache=False)` turns the cache off. Only what this user wrote is read (`cache_files`, and
@@ -77,7 +77,7 @@ def disabled_reason(option: bool) -> Optional[str]:
 def graph_key(gm, example_inputs, state) -> str:
     """The hash naming a captured graph's entry; raises `Uncacheable`."""
     parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}",
-             f"pipeline {pipeline_source_hash()}", gm.code]
+             f"pipeline {pipeline_source_hash()}", f"modes {global_modes()}", gm.code]
     parts += [value_signature(v) for v in example_inputs]
     parts += [f"owner {state.config.owners.get(id(v))}" for v in example_inputs]
     parts += [pass_identity(p) for p in state.config.passes]
@@ -86,6 +86,14 @@ def graph_key(gm, example_inputs, state) -> str:
         parts.append(f"replaced {qualname} {stable_repr(r.transform)} "
                      f"{[(s, value_signature(t)) for s, t in r.tensors.items()]}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def global_modes() -> str:
+    """The global state AOTAutograd lowers under: the same graph traced with and without grad is an
+    inference graph or a forward + backward (a warm start loads the lowering, so it is in the key)."""
+    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+    return (f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()} "
+            f"deterministic={torch.are_deterministic_algorithms_enabled()} autocast={autocast}")
 
 
 @functools.cache
