@@ -104,21 +104,30 @@ def why_not(gm: fx.GraphModule, example_inputs) -> Optional[str]:
 @contextlib.contextmanager
 def record_entry(key: str, on_entry: Callable[[bytes, float], None], on_failure: Callable[[str], None]):
     """While compiling with `aot_module_simplified`: AOTAutograd makes its bundled cache entry for
-    this graph and hands it to `on_entry` (pickled, with the seconds pickling took) instead of its own cache, or says to `on_failure`
-    why it could not (the graph still compiles; it only starts warm no faster than lowering). The
-    backward compiles with the forward (not lazily), so the entry is complete when this block ends."""
+    this graph and hands it to `on_entry` (pickled, with the seconds pickling took) instead of its
+    own cache, or says to `on_failure` why it could not (the graph still compiles; a hit lowers it
+    again). The backward compiles with the forward (not lazily), so the entry is complete when this
+    block ends. Only the outermost AOTAutograd compile is stored: one an executor runs inside it is not."""
     from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     from torch._functorch._aot_autograd.schemas import AOTAutogradCacheInfo
 
+    started = []
+
     def start(mod, args, aot_config, *rest, **kwargs):  # instead of a lookup: the key to save under
+        frozen = dataclasses.is_dataclass(aot_config) and type(aot_config).__dataclass_params__.frozen
+        if started:  # a nested AOTAutograd compile (an executor's own): not ours to store
+            return (None, aot_config) if frozen else None
+        started.append(key)
         info = AOTAutogradCacheInfo(key, time.time_ns(), forward_symints=[])
-        if dataclasses.is_dataclass(aot_config) and type(aot_config).__dataclass_params__.frozen:
+        if frozen:
             return None, dataclasses.replace(aot_config, cache_info=info)  # torch >= 2.12
         aot_config.cache_info = info  # torch 2.11
         return None
 
-    def save(_key, entry, remote=False):
+    def save(saved_key, entry, remote=False):
+        if saved_key != key:
+            return
         start = time.perf_counter()
         try:
             entry.pre_save()

@@ -86,3 +86,27 @@ def test_a_graph_an_executor_prepared_starts_without_the_stored_entry(mlp):
         cm, _, _ = compile_and_step(mlp, x, executors=[Preparing()])
         assert "lower" in pipeline.compile_stats(cm).seconds
         assert "no warm start: preparing.prepare rewrote the graph (its ops may name this model's own state)" in notes(cm)
+
+
+class _Entry:
+    def pre_save(self):
+        self.saved = True
+
+
+def test_only_the_outermost_aot_compile_is_stored_and_torch_is_restored():
+    """An executor may run AOTAutograd inside ours: its entry is neither keyed nor kept as ours."""
+    import pickle
+    from types import SimpleNamespace
+
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    original = (AOTAutogradCache.__dict__["try_load"], AOTAutogradCache.__dict__["save"])
+    got, failures = [], []
+    with warm_start.record_entry("ours", lambda data, seconds: got.append(data), failures.append):
+        outer, inner = SimpleNamespace(cache_info=None), SimpleNamespace(cache_info=None)
+        AOTAutogradCache.try_load(None, [], outer)
+        AOTAutogradCache.try_load(None, [], inner)
+        AOTAutogradCache.save("theirs", _Entry(), False)
+        AOTAutogradCache.save("ours", _Entry(), False)
+    assert outer.cache_info.cache_key == "ours" and inner.cache_info is None
+    assert len(got) == 1 and pickle.loads(got[0]).saved and not failures
+    assert (AOTAutogradCache.__dict__["try_load"], AOTAutogradCache.__dict__["save"]) == original
