@@ -41,7 +41,7 @@ def worker(executors: list[str], steps: int, deterministic: bool) -> dict:
     losses, times = train(jitted, jitted.parameters(), [data[i % 2] for i in range(steps)])
     stats = pipeline.compile_stats(jitted)
     return {"first_step": times[0], "losses": [float(x).hex() for x in losses],
-            "cache": stats.cache, "seconds": stats.seconds}
+            "cache": stats.cache, "seconds": stats.seconds, "notes": [n for _, n in stats.cache_notes]}
 
 
 def run(env: dict, executors: str, steps: int, deterministic: bool) -> dict:
@@ -77,6 +77,8 @@ def main():
         counted = sum(r["seconds"].values())
         print(f"{name}: first step {r['first_step']:.2f} s (whole process {r['process']:.1f} s), "
               f"compile_stats {counted:.2f} s ({counted / r['first_step']:.0%}), cache {r['cache']}; seconds: {seconds}")
+        if name == "warm" and r["notes"]:
+            print("    warm cache notes:", "; ".join(r["notes"]))
     same = [a == b for a, b in zip(cold["losses"], warm["losses"])]
     print(f"warm/cold first step: {cold['first_step'] / warm['first_step']:.1f}x faster warm; "
           f"loss bit-identical per step: {same}"
