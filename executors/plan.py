@@ -208,7 +208,7 @@ class _RegionBuilder:
         elif artifacts is not None:  # e.g. a constant without data: compiled, not cached
             self.uncached.append(f"region {region.id} not cached: no key ({why_no_key})")
         if key is not None:
-            fn = _load_cached(artifacts.get(key), source, region, self.by_name, self.uncached)
+            fn = _load_cached(artifacts.get(key), source, structure, region, self.by_name, self.uncached)
             if fn is not None:
                 self.loaded.add(region.id)
         if fn is None:
@@ -231,12 +231,14 @@ def _try(fn, *args) -> tuple:
         return None, f"{type(e).__name__}: {e}"
 
 
-def _load_cached(artifact: Optional[RegionArtifact], source, region: Region, by_name, notes) -> Optional[Callable]:
-    """The region rebuilt from its cached artifact, or None (not cached, or it would not load)."""
+def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, region: Region, by_name,
+                 notes) -> Optional[Callable]:
+    """The region rebuilt from its cached artifact, or None (not cached, or it would not load).
+    `structure`: the region graph's `structure_key`, which the artifact must have been compiled from."""
     if artifact is None or artifact.executor not in by_name:
         return None
     start = time.perf_counter()
-    if artifact.structure != structure_key(source):  # another region's code: never run it here
+    if artifact.structure != structure:  # another region's code: never run it here
         import warnings
         from ir import PipelineWarning
         warnings.warn(f"pipeline cache: region {region.id}: the cached {artifact.executor} artifact was "

@@ -122,7 +122,8 @@ WARM = textwrap.dedent("""
     out = cm(x)
     out.sum().backward()
     stats = pipeline.compile_stats(cm)
-    print(json.dumps({"cache": stats.cache, "compiled": [k for k in stats.seconds if k.startswith("compile:")],
+    print(json.dumps({"cache": stats.cache, "notes": stats.cache_notes,
+                      "compiled": [k for k in stats.seconds if k.startswith("compile:")],
                       "values": [t.detach().cpu().flatten().tolist() for t in [out, *(p.grad for p in model.parameters())]]}))
 """)
 
@@ -130,17 +131,18 @@ WARM = textwrap.dedent("""
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_inductor_warm_process_with_empty_inductor_cache_is_bit_identical(tmp_path, device):
     """A second process finds the entry and loads Inductor's kernels from it, compiling nothing."""
-    env = {**os.environ, "PIPELINE_CACHE_DIR": str(tmp_path / "cache")}
-    runs = []
+    env = {**os.environ, "PIPELINE_CACHE_DIR": str(tmp_path / "cache"), "PIPELINE_LOG": "info"}
+    runs, logs = [], []
     for name in ("cold", "warm"):
         env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / f"inductor-{name}")
         done = subprocess.run([sys.executable, "-c", WARM, device], cwd=ROOT, env=env, text=True,
                               capture_output=True, timeout=400)
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        logs.append([line for line in done.stderr.splitlines() if "pipeline.cache" in line])
     cold, warm = runs
     assert cold["cache"] == {"g0": "miss"} and cold["compiled"] == ["compile:inductor"]
-    assert warm["cache"] == {"g0": "hit"} and warm["compiled"] == []
+    assert warm["cache"] == {"g0": "hit"} and warm["compiled"] == [], (logs, warm["notes"])
     assert warm["values"] == cold["values"]  # float lists: equal means bit-identical (no NaNs here)
 
 
