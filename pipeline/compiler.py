@@ -115,21 +115,28 @@ class PipelineBackend:
                 check_built_in(trace, prepared, f"{executor.name}.prepare", record)
                 trace = record.add_trace(prepared)
                 rewrote.append(f"{executor.name}.prepare")
+        warm_cache = None if rewrote else cache  # a warm start loads or stores this graph's lowering
         if cache is not None and rewrote:
             record.cache_notes.append(f"no warm start: {', '.join(rewrote)} rewrote the graph (its ops may "
                                       f"name this model's own state)")
-        elif cache is not None:
-            warm = self._warm_start(cache, trace, example_inputs, wrapper_metadata(wrappers), record)
+        if warm_cache is not None:
+            warm = self._warm_start(warm_cache, trace, example_inputs, wrapper_metadata(wrappers), record)
             if warm is not None:
                 return post_compile_all(wrappers, warm)
         trace = self._run_passes("before_autodiff", trace, record)
-        stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache)
+        recording = self._records_warm_start(warm_cache, trace, example_inputs, record)
+        stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache,
+                                  serializable=recording)
+        # The forward compiler is a SerializableAOTDispatchCompiler only while recording: otherwise
+        # AOTAutograd would consult torch's own cache (its directory, its trust model) for this graph.
+        forward = functools.partial(stage, "forward")
         start = time.perf_counter()
         inner_before = sum(record.seconds.values())
-        with self._recording_warm_start(cache if not rewrote else None, trace, example_inputs, record):
+        with warm_start.record_entry(cache.key, cache.aot_entry_done, record.cache_notes.append) \
+                if recording else contextlib.nullcontext():
             compiled = aot_module_simplified(
                 trace.module, list(example_inputs),
-                fw_compiler=SerializableAOTDispatchCompiler(StageCode, functools.partial(stage, "forward")),
+                fw_compiler=SerializableAOTDispatchCompiler(StageCode, forward) if recording else forward,
                 bw_compiler=functools.partial(stage, "backward"),
                 inference_compiler=functools.partial(stage, "inference"),
                 partition_fn=functools.partial(self._partition, record=record, captured=trace),
@@ -171,15 +178,12 @@ class PipelineBackend:
         return self._execute(code.stage, trace, code.donated, example_inputs, record=record, cache=cache,
                              lowered=code.lowered)
 
-    def _recording_warm_start(self, cache, trace: Trace, example_inputs, record: GraphRecord):
-        """While lowering: AOTAutograd's own cache entry for this graph goes into ours."""
-        if cache is None:
-            return contextlib.nullcontext()
-        why_not = warm_start.why_not(trace.module, example_inputs)
-        if why_not is not None:
+    def _records_warm_start(self, cache, trace: Trace, example_inputs, record: GraphRecord) -> bool:
+        """Whether AOTAutograd's own entry for this graph is stored in ours while it lowers."""
+        why_not = warm_start.why_not(trace.module, example_inputs) if cache is not None else "no cache"
+        if why_not is not None and cache is not None:
             record.cache_notes.append(f"no warm start: {why_not}")
-            return contextlib.nullcontext()
-        return warm_start.record_entry(cache.key, cache.aot_entry_done, record.cache_notes.append)
+        return why_not is None
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
         """AOTAutograd's partition hook: joint passes run here (the default `save_policy` among
@@ -196,7 +200,7 @@ class PipelineBackend:
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def _lower_stage(self, stage: str, gm: fx.GraphModule, example_inputs, *, record: GraphRecord,
-                     captured: Trace, cache: GraphCache | None):
+                     captured: Trace, cache: GraphCache | None, serializable: bool = False):
         """AOTAutograd's compiler hook for the forward, backward or inference graph."""
         ctx = TracingContext.try_get()
         meta = getattr(ctx, "fw_metadata", None) if ctx else None
@@ -215,7 +219,7 @@ class PipelineBackend:
         trace = self._run_passes("after_autodiff", trace, record)
         donated = [i for i, n in enumerate(trace.placeholders()) if n.name in donated_names]
         run = self._execute(stage, trace, donated, example_inputs, record=record, cache=cache, lowered=lowered)
-        return StageCode(run, stage, trace, donated, lowered)
+        return StageCode(run, stage, trace, donated, lowered) if serializable else run
 
     def _execute(self, stage: str, trace: Trace, donated: list, example_inputs, *, record: GraphRecord,
                  cache: GraphCache | None, lowered: str) -> Callable:

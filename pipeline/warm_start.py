@@ -23,6 +23,7 @@ import dataclasses
 import pickle
 import time
 from typing import Callable, Optional
+from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -140,8 +141,8 @@ def record_entry(key: str, on_entry: Callable[[bytes, float], None], on_failure:
     patched = {"enable_autograd_cache": True, "bundled_autograd_cache": True,
                "force_non_lazy_backward_lowering": True}
     with functorch_config.patch(patched), \
-            _replaced(AOTAutogradCache, "try_load", staticmethod(start)), \
-            _replaced(AOTAutogradCache, "save", staticmethod(save)):
+            mock.patch.object(AOTAutogradCache, "try_load", staticmethod(start)), \
+            mock.patch.object(AOTAutogradCache, "save", staticmethod(save)):
         yield
 
 
@@ -154,13 +155,3 @@ def load_entry(data: bytes, loader: Callable[[StageCode], Callable]) -> Callable
         return deserialize_bundled_cache_entry(entry)
     finally:
         _LOADER.reset(token)
-
-
-@contextlib.contextmanager
-def _replaced(owner, name: str, value):
-    original = owner.__dict__[name]
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)

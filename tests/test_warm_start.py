@@ -110,3 +110,20 @@ def test_only_the_outermost_aot_compile_is_stored_and_torch_is_restored():
     assert outer.cache_info.cache_key == "ours" and inner.cache_info is None
     assert len(got) == 1 and pickle.loads(got[0]).saved and not failures
     assert (AOTAutogradCache.__dict__["try_load"], AOTAutogradCache.__dict__["save"]) == original
+
+
+def test_torch_own_aot_cache_is_never_consulted(mlp, monkeypatch):
+    """With our cache off (or a graph that cannot start warm), AOTAutograd must not look in torch's
+    cache directory, which our trust checks do not cover."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch's AOTAutogradCache was consulted")
+    monkeypatch.setattr(AOTAutogradCache, "try_load", staticmethod(refuse))
+    monkeypatch.setattr(AOTAutogradCache, "save", staticmethod(refuse))
+    x = torch.randn(4, 16)
+    eager = copy.deepcopy(mlp)
+    for kwargs in ({"cache": False}, {"dynamic": True}):
+        cm, out, grads = compile_and_step(mlp, x, **kwargs)
+        assert {r.executor for r in pipeline.regions(cm)} == {"torch"}
+        assert torch.equal(out, eager(x))
