@@ -141,8 +141,6 @@ def host_profile(step_fn, opt, tokens, calls=10, top=22):
     started on an idle GPU as in the timed loop): the part of the forward call before its first
     launch is time the GPU waits at every step."""
     import cProfile
-    import io
-    import pstats
     out = {}
     for phase in ("forward", "backward"):
         prof = cProfile.Profile()
@@ -158,17 +156,24 @@ def host_profile(step_fn, opt, tokens, calls=10, top=22):
             prof.disable()
             opt.zero_grad(set_to_none=True)
         sync()
-        text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats("cumulative").print_stats(top)
-        stats.sort_stats("tottime").print_stats(top)
-        lines = [line.rstrip() for line in text.getvalue().splitlines() if line.strip() and "ncalls" not in line]
-        out[f"host_profile_{phase} (cProfile, {calls} calls)"] = [
-            re.sub(r"\S*site-packages/", "", line)[:170] for line in lines if re.match(r"\s*[0-9/]+\s+[0-9.]", line)]
+        out[f"host_profile_{phase} (cProfile, {calls} calls)"] = profile_lines(prof, top)
     return out
 
 
-def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host_calls=False):
+def profile_lines(prof, top: int) -> list[str]:
+    """The `top` functions of a cProfile run by cumulative and by own time, site-packages paths cut."""
+    import io
+    import pstats
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    return [re.sub(r"\S*site-packages/", "", line.rstrip())[:170] for line in text.getvalue().splitlines()
+            if re.match(r"\s*[0-9/]+\s+[0-9.]", line)]
+
+
+def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host_calls=False,
+            first_step_profile=False):
     torch.manual_seed(0)
     # the loss in fp32, as training scripts compute it: the loss-curve column then resolves
     # differences well below one bf16 ulp of the loss (0.06 at 10)
@@ -185,12 +190,21 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses, times, host = [], [], []
+    first = None
+    if first_step_profile:  # where the first step's host time goes (compile, cache, capture), cProfile
+        import cProfile
+        first = cProfile.Profile()
     for tokens in batches:
         sync()
         start = time.perf_counter()
+        if first is not None and not times:
+            first.enable()
         loss = step_fn(tokens)
         t_forward = time.perf_counter()
         loss.backward()
+        if first is not None and not times:
+            first.disable()
+            extra_first = {"first_step_profile (cProfile)": profile_lines(first, 60)}
         t_backward = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -206,6 +220,8 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host
     timed = host[4:] or host  # steps 5-20, as tokens/s
     extra = {"host_ms": {k: round(1e3 * sum(h[i] for h in timed) / len(timed), 2) for i, k in
                          enumerate(["forward call", "backward call", "optimizer call", "wait for the GPU"])}}
+    if first is not None:
+        extra.update(extra_first)
     if how not in (None, "compile"):
         table = pipeline.regions(step_fn)
         extra["ops_by_executor"] = table.by_executor()
@@ -243,6 +259,8 @@ def main():
                         help="GPU time per executor (pipeline rows), top kernels, and where the GPU sat idle")
     parser.add_argument("--host-profile", action="store_true",
                         help="where the CPU time of the forward and backward calls goes (cProfile)")
+    parser.add_argument("--first-step-profile", action="store_true",
+                        help="where the first step's host time goes (cProfile: compile, cache loads, capture)")
     parser.add_argument("--trace-dir", default=None, help="with --profile: keep each row's chrome trace here")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds per row, compile included")
@@ -342,6 +360,7 @@ def run_in_subprocess(name, args, kept_caches=None):
         cmd += ["--profile"] if args.profile else []
         cmd += ["--trace-dir", args.trace_dir] if args.trace_dir else []
         cmd += ["--host-profile"] if args.host_profile else []
+        cmd += ["--first-step-profile"] if args.first_step_profile else []
         try:
             proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True, env=env)
         except subprocess.TimeoutExpired:
@@ -363,7 +382,7 @@ def run_one(args, config):
     try:
         row = row_of(args.row)
         losses, times, peak, extra = run_row(row, executors_of(row), config, batches, args.profile,
-                                             args.trace_dir, args.host_profile)
+                                             args.trace_dir, args.host_profile, args.first_step_profile)
         result = {"row": args.row, "losses": losses, "times": times, "peak": peak, "extra": extra}
     except Exception as e:  # a row that cannot run says why; the others still run
         result = {"row": args.row, "error": f"{type(e).__name__}: {e}"[:2000]}

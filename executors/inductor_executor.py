@@ -146,10 +146,22 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         compiled = pickle.loads(stored["graph"])
         constants = CompiledFxGraphConstants()
         with _kernel_dir(own):
+            _register_triton_kernels(compiled)
             compiled.after_deserialization(constants)   # imports the wrapper module, loads the kernels
         compiled.post_compile(list(example_inputs), constants,
                               {"cudagraphs": BoxedBool(False), "is_backward": False, "is_inference": False})
         return InductorRegion(compiled, gm)
+
+
+def _register_triton_kernels(compiled) -> None:
+    """The region's Triton kernels as Inductor bundled them when it compiled them (`TritonBundler`:
+    their binaries and launchers, in the authenticated artifact), registered so that importing the
+    wrapper module launches them directly, as torch.compile's warm start does, instead of compiling
+    each kernel's source again (most of a warm start's region loading on the H200)."""
+    bundle = getattr(compiled, "_triton_bundle", None)
+    if bundle is not None and (bundle.kernel_artifacts or bundle.static_autotuners):
+        from torch._inductor.triton_bundler import TritonBundler
+        TritonBundler.read_and_emit(bundle)
 
 
 class InductorRegion:

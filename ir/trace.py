@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 
 class InputKind(enum.StrEnum):
@@ -135,7 +136,8 @@ class Trace:
         """A private copy of the graph module that a pass may change freely.
 
         Nodes are copied with their metadata (shallowly: fake tensors are shared, never mutated).
-        Constants and submodules are shared with this trace.
+        Constants and submodules are shared with this trace. Its Python code is generated when it
+        is first run or printed, not here: a pass that changes the graph would make it stale.
         """
         graph = fx.Graph()
         value_map: dict[fx.Node, fx.Node] = {}
@@ -145,7 +147,7 @@ class Trace:
         graph.output(out)
         old_out, new_out = self.output_node(), next(iter(reversed(graph.nodes)))
         new_out.meta = dict(old_out.meta)
-        return fx.GraphModule(self._gm, graph, class_name=type(self._gm).__name__)
+        return _LazyGraphModule(self._gm, graph, class_name=type(self._gm).__name__)
 
     def derive(self, gm: fx.GraphModule, *, by: str, seconds: float = 0.0, name: Optional[str] = None,
                level: Optional[str] = None, inputs: Optional[Sequence[InputSpec]] = None,

@@ -31,13 +31,15 @@ from torch._inductor.output_code import OutputCode
 
 from ir import Trace
 
+from . import trace_pickle
+
 # the function that turns a loaded StageCode's trace into the callable it runs (set while loading)
 _LOADER: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("pipeline_stage_loader", default=None)
 
 
 class StageCode(OutputCode):
     """One compiled stage as AOTAutograd sees it: called on its argument list (boxed). Pickles as
-    the trace dispatch ran on (its graph with fake values, via torch's GraphPickler) and the
+    the trace dispatch ran on (its graph with fake values, `trace_pickle`) and the
     fingerprint of the lowered trace it came from; loading dispatches that trace again."""
 
     def __init__(self, run: Callable, stage: str, trace: Trace, donated: list, lowered: str):
@@ -55,9 +57,8 @@ class StageCode(OutputCode):
         return new
 
     def prepare_for_serialization(self) -> None:
-        from torch.fx._graph_pickler import GraphPickler, Options
         t = self.trace
-        self._graph_bytes = GraphPickler.dumps(t.module, Options(ops_filter=None))
+        self._graph_bytes = trace_pickle.dumps(t.module)
         self._trace_fields = (t.name, t.level, t.stage, t.inputs, t.outputs, t.provenance)
         self.run = self.trace = None
 
@@ -75,13 +76,10 @@ class StageCode(OutputCode):
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.run is not None:
             return
-        from torch._subclasses import FakeTensorMode
-        from torch.fx._graph_pickler import GraphPickler
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
         loader = _LOADER.get()
         if loader is None:
             raise RuntimeError("a pipeline stage was loaded outside pipeline.warm_start.load_entry")
-        gm = GraphPickler.loads(self._graph_bytes, FakeTensorMode(shape_env=ShapeEnv()))
+        gm = trace_pickle.loads(self._graph_bytes)
         name, level, stage, inputs, outputs, provenance = self._trace_fields
         self.trace = Trace(gm, name=name, level=level, stage=stage, inputs=inputs, outputs=outputs,
                            provenance=provenance)

@@ -25,7 +25,7 @@ if [ "$what" = pack ]; then
   ../shared/device/pack.sh .device
   mkdir -p .whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 --platform any -d .whl expecttest==0.3.0
+    --platform manylinux2014_x86_64 --platform any -d .whl expecttest==0.3.0 torchao==0.17.0
   exit 0
 fi
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import pipeline
-from pipeline import warm_start
+from pipeline import trace_pickle, warm_start
 from test_cache import assert_identical, compile_and_step
 
 
@@ -48,13 +48,31 @@ def test_an_entry_that_does_not_load_compiles_with_the_reason(mlp, monkeypatch):
     assert_identical(grads0, grads1)
 
 
-def test_a_graph_that_does_not_pickle_compiles_and_says_why():
+def test_a_graph_that_does_not_pickle_compiles_and_says_why(mlp, monkeypatch):
+    def unpicklable(self):
+        raise TypeError("cannot pickle 'generator' object")
+    monkeypatch.setattr(warm_start.StageCode, "prepare_for_serialization", unpicklable)
+    cm, _, _ = compile_and_step(mlp, torch.randn(4, 16))
+    assert "no warm start: the lowered graph does not pickle (TypeError: cannot pickle 'generator' object)" \
+        in notes(cm), notes(cm)
+
+
+def test_debug_metadata_is_not_stored_and_the_compiled_trace_keeps_it():
+    """Source lines and module paths are left out of the stored stages (half their size, and a
+    model class pickle cannot name no longer stops a warm start); the live traces keep theirs."""
     class Local(nn.Module):  # a class defined in a function: pickle cannot name it
         def forward(self, x):
             return x.sin() * 2
     model = nn.Sequential(nn.Linear(5, 4), Local())
-    cm, _, _ = compile_and_step(model, torch.randn(3, 5))
-    assert any(n.startswith("no warm start: the lowered graph does not pickle") for n in notes(cm)), notes(cm)
+    x = torch.randn(3, 5)
+    cold, out0, _ = compile_and_step(model, x)
+    forward = next(t for t in pipeline.last_traces(cold) if t.stage.value == "forward")
+    assert any("stack_trace" in n.meta for n in forward.graph.nodes)
+    warm, out1, _ = compile_and_step(model, x)
+    assert pipeline.compile_stats(warm).cache == {"g0": "hit"} and "lower" not in pipeline.compile_stats(warm).seconds
+    for t in pipeline.last_traces(warm)[1:]:
+        assert not any(set(n.meta) & set(trace_pickle.DEBUG_META) for n in t.graph.nodes), t.name
+    assert torch.equal(out0, out1)
 
 
 def test_symbolic_shapes_compile_without_a_warm_start(mlp):
@@ -127,3 +145,30 @@ def test_torch_own_aot_cache_is_never_consulted(mlp, monkeypatch):
         cm, out, grads = compile_and_step(mlp, x, **kwargs)
         assert {r.executor for r in pipeline.regions(cm)} == {"torch"}
         assert torch.equal(out, eager(x))
+
+
+def test_stored_stage_keeps_every_value_and_which_values_share_memory(mlp):
+    """`trace_pickle` stores plain fake tensors compactly: after loading, each node's value has the
+    same sizes, strides, offset, dtype and device, and values shared memory exactly when they did
+    (the views of a weight, say), which dispatch's donation decisions depend on."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    cm, _, _ = compile_and_step(mlp, torch.randn(4, 16))
+    stored = [t for t in pipeline.last_traces(cm) if t.stage.value in ("forward", "backward")
+              and not t.provenance[-1].name.startswith("dispatch")]  # as dispatch receives them
+    assert len(stored) == 2
+    for trace in stored:
+        loaded = trace_pickle.loads(trace_pickle.dumps(trace.module))
+        before, after = list(trace.graph.nodes), list(loaded.graph.nodes)
+        assert [n.name for n in before] == [n.name for n in after] and str(trace.graph) == str(loaded.graph)
+        tensors = [(a.meta["val"], b.meta["val"]) for a, b in zip(before, after)
+                   if isinstance(a.meta.get("val"), torch.Tensor)]
+        assert len(tensors) > 5
+        for x, y in tensors:
+            assert (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device) == \
+                (y.shape, y.stride(), y.storage_offset(), y.dtype, y.device)
+        same = [[StorageWeakRef(p.untyped_storage()) == StorageWeakRef(q.untyped_storage()) for p, _ in tensors]
+                for q, _ in tensors]
+        same_loaded = [[StorageWeakRef(p.untyped_storage()) == StorageWeakRef(q.untyped_storage()) for _, p in tensors]
+                       for _, q in tensors]
+        assert same == same_loaded and any(sum(row) > 1 for row in same)

@@ -1,0 +1,76 @@
+"""A stage's graph as bytes, for the warm start: torch's GraphPickler, minus what costs and is unused.
+
+Two things made a 16-layer stage slow to write and read (most of the cache's own seconds):
+torch describes every fake tensor in full (`MetaTensorDesc`: ~40 fields, rebuilt through the meta
+converter), and every node carries debug metadata (source lines, module paths, the nodes it came
+from). Here a plain fake tensor (static sizes, strided, no autograd, no subclass) is stored as its
+sizes, strides, offset, dtype, device and an id of its storage: tensors that shared memory share
+it again after loading (dispatch's donation decisions read that), each a view of one byte buffer
+per storage. Anything else goes through torch's own description. Debug metadata is left out.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx as fx
+from torch._subclasses import FakeTensor, FakeTensorMode
+from torch.utils._mode_utils import no_dispatch
+from torch.fx._graph_pickler import GraphPickler, Options
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.multiprocessing.reductions import StorageWeakRef
+
+# Node metadata kept for debugging only: about half of a stage's pickled size, nothing dispatch reads.
+DEBUG_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "fwd_nn_module_stack",
+              "fwd_source_fn_stack", "from_node", "torch_fn")
+
+
+def dumps(gm: fx.GraphModule) -> bytes:
+    with _without_debug_meta(gm.graph):
+        return _StagePickler.dumps(gm, Options(ops_filter=None))
+
+
+def loads(data: bytes) -> fx.GraphModule:
+    return GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+
+
+class _StagePickler(GraphPickler):
+    def __init__(self, file, options=None):
+        super().__init__(file, options)
+        self._storage_ids: dict[StorageWeakRef, int] = {}
+
+    def reducer_override(self, obj):
+        if type(obj) is FakeTensor and _plain(obj):
+            storage = obj.untyped_storage()
+            sid = self._storage_ids.setdefault(StorageWeakRef(storage), len(self._storage_ids))
+            return _fake_tensor, (self._unpickle_state, sid, storage.nbytes(), tuple(obj.shape), obj.stride(),
+                                  obj.storage_offset(), obj.dtype, obj.device)
+        return super().reducer_override(obj)
+
+
+def _plain(t: FakeTensor) -> bool:
+    return (t.layout == torch.strided and not t.requires_grad and not t.is_conj() and not t.is_neg()
+            and all(type(s) is int for s in (*t.shape, *t.stride(), t.storage_offset()))
+            and type(t.untyped_storage().nbytes()) is int and t.untyped_storage().nbytes() % t.element_size() == 0)
+
+
+def _fake_tensor(state, sid: int, nbytes: int, shape, stride, offset: int, dtype, device) -> FakeTensor:
+    """A fake tensor over storage `sid` of this load (made on first use), as it was pickled."""
+    buffers = state.__dict__.setdefault("pipeline_storages", {})
+    with no_dispatch():  # meta tensors made directly, then wrapped, as torch's own loader does
+        if sid not in buffers:
+            buffers[sid] = torch.empty((nbytes,), dtype=torch.uint8, device="meta")
+        return FakeTensor(state.fake_mode, buffers[sid].view(dtype).as_strided(shape, stride, offset), device)
+
+
+@contextlib.contextmanager
+def _without_debug_meta(graph: fx.Graph):
+    """The graph's nodes without `DEBUG_META` while pickling; their metadata is put back after."""
+    kept = {node: node.meta for node in graph.nodes}
+    try:
+        for node, meta in kept.items():
+            node.meta = {k: v for k, v in meta.items() if k not in DEBUG_META}
+        yield
+    finally:
+        for node, meta in kept.items():
+            node.meta = meta
