@@ -9,9 +9,11 @@ for every row — eager, torch.compile, and pipeline.jit with several executor l
     python benchmarks/train_gpu.py --resume /tmp/rows.json --only eager torch.compile   # one run in
     python benchmarks/train_gpu.py --resume /tmp/rows.json                               # two commands
     python benchmarks/train_gpu.py --cache --only "torch.compile" "pipeline.jit [inductor] + cuda graphs"
+    python benchmarks/train_gpu.py --model hf      # the same rows on HF LlamaForCausalLM (or qwen2)
 
 Rows ending in "+ cuda graphs" jit with `cuda_graphs=True` (each stage replayed as one CUDA graph);
-"torch.compile reduce-overhead" is torch.compile with its CUDA graphs.
+"torch.compile reduce-overhead" is torch.compile with its CUDA graphs; "torchao float8 + torch.compile"
+is torchao's float8 training (tensorwise) on every linear whose dims are multiples of 16, compiled.
 
 Each row runs in its own process with its own empty Inductor and Triton caches (clean peak memory,
 no state or compiled kernel shared between rows), with a time limit (--row-timeout), so one row
@@ -53,7 +55,7 @@ def sync():
         torch.cuda.synchronize()
 
 
-ROWS = ["eager", "torch.compile", "torch.compile reduce-overhead",
+ROWS = ["eager", "torch.compile", "torch.compile reduce-overhead", "torchao float8 + torch.compile",
         "pipeline.jit [inductor]", "pipeline.jit [inductor] + cuda graphs",
         "pipeline.jit [te fp8 delayed, inductor]", "pipeline.jit [te fp8 delayed, inductor] + cuda graphs",
         "pipeline.jit [te, inductor] bf16", "pipeline.jit [te, inductor] bf16 + cuda graphs",
@@ -66,7 +68,8 @@ ROWS = ["eager", "torch.compile", "torch.compile reduce-overhead",
 
 # The issue's acceptance rows, each pipeline row with CUDA graphs (the way to run it on this GPU):
 # what a plain run measures. --only picks any rows, --all runs every row.
-ACCEPTANCE = ["eager", "torch.compile", "pipeline.jit [inductor] + cuda graphs",
+ACCEPTANCE = ["eager", "torch.compile", "torch.compile reduce-overhead", "torchao float8 + torch.compile",
+              "pipeline.jit [inductor] + cuda graphs",
               "pipeline.jit [nvfuser, inductor] + cuda graphs",
               "pipeline.jit [te, nvfuser, inductor] bf16 + cuda graphs",
               "pipeline.jit [te fp8 delayed, nvfuser, inductor] + cuda graphs",
@@ -77,7 +80,7 @@ def executors_of(name):
     """None for eager, "compile" for torch.compile, else the executor list of a pipeline row."""
     if name == "eager":
         return None
-    if name.startswith("torch.compile"):
+    if name.startswith("torch.compile") or name.startswith("torchao"):
         return "compile"
     import executors
     listed = name[name.index("[") + 1:name.index("]")].split(", ")
@@ -172,12 +175,50 @@ def profile_lines(prof, top: int) -> list[str]:
             if re.match(r"\s*[0-9/]+\s+[0-9.]", line)]
 
 
+class HFLoss(torch.nn.Module):
+    """An unmodified Hugging Face causal LM as its users train it: the loss from `labels`."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+
+def build_model(kind: str, config):
+    """The benchmark's model: the hand-written Llama ("llama"), or a Hugging Face model of the same
+    sizes built from its config with random weights ("hf": LlamaForCausalLM; "qwen2": Qwen2ForCausalLM,
+    which adds q/k/v biases)."""
+    if kind == "llama":
+        # the loss in fp32, as training scripts compute it: the loss-curve column then resolves
+        # differences well below one bf16 ulp of the loss (0.06 at 10)
+        return LanguageModelLoss(Llama(config), fp32_loss=True)
+    import transformers
+    family = {"hf": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    hf_config = family[0](vocab_size=config.vocab, hidden_size=config.dim, intermediate_size=config.hidden,
+                          num_hidden_layers=config.layers, num_attention_heads=config.heads,
+                          num_key_value_heads=config.kv_heads, max_position_embeddings=config.max_seq,
+                          rms_norm_eps=config.eps, rope_theta=config.rope_base, tie_word_embeddings=False)
+    hf_config._attn_implementation = "sdpa"
+    return HFLoss(family[1](hf_config))  # HF's loss upcasts the logits to fp32 itself
+
+
+def float8_training(model):
+    """torchao's float8 training (tensorwise scaling) on every linear whose dims are multiples of 16."""
+    from torchao.float8 import convert_to_float8_training
+    return convert_to_float8_training(
+        model, module_filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear)
+        and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+
+
 def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host_calls=False,
-            first_step_profile=False):
+            first_step_profile=False, model_kind="llama"):
     torch.manual_seed(0)
-    # the loss in fp32, as training scripts compute it: the loss-curve column then resolves
-    # differences well below one bf16 ulp of the loss (0.06 at 10)
-    model = LanguageModelLoss(Llama(config), fp32_loss=True).to(DEVICE, torch.bfloat16)
+    model = build_model(model_kind, config).to(DEVICE, torch.bfloat16)
+    if name.startswith("torchao"):
+        model = float8_training(model)
     if how is None:
         step_fn = model
     elif how == "compile":
@@ -259,6 +300,8 @@ def main():
                         help="GPU time per executor (pipeline rows), top kernels, and where the GPU sat idle")
     parser.add_argument("--host-profile", action="store_true",
                         help="where the CPU time of the forward and backward calls goes (cProfile)")
+    parser.add_argument("--model", default="llama", choices=["llama", "hf", "qwen2"],
+                        help="the hand-written Llama, or HF LlamaForCausalLM / Qwen2ForCausalLM of the same sizes")
     parser.add_argument("--first-step-profile", action="store_true",
                         help="where the first step's host time goes (cProfile: compile, cache loads, capture)")
     parser.add_argument("--trace-dir", default=None, help="with --profile: keep each row's chrome trace here")
@@ -284,12 +327,13 @@ def main():
         args.layers * sum(p.numel() for p in Llama(LlamaConfig(**{**config.__dict__, "layers": 1})).layers.parameters())
     flops_per_token = 6 * params + 12 * config.layers * args.seq * config.dim
     tokens_per_step = args.batch * args.seq
-    print(f"Llama-style {params / 1e9:.2f}B params, {config.layers} layers, batch {args.batch} x seq {args.seq}, "
+    model_name = {"llama": "Llama-style (hand-written)", "hf": "HF LlamaForCausalLM", "qwen2": "HF Qwen2ForCausalLM"}[args.model]
+    print(f"{model_name} {params / 1e9:.2f}B params, {config.layers} layers, batch {args.batch} x seq {args.seq}, "
           f"bf16, fused AdamW, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}, torch {torch.__version__}", flush=True)
     print(f"{'':50} {'tokens/s':>9} {'MFU':>6} {'1st step s':>10} {'peak GiB':>9} {'max |Δloss|':>11}", flush=True)
     results, eager_losses = [], None
     done = {}  # rows measured by an earlier command of the same run (--resume)
-    settings = {k: getattr(args, k) for k in ("layers", "batch", "seq", "steps", "device")}
+    settings = {k: getattr(args, k) for k in ("layers", "batch", "seq", "steps", "device", "model")}
     if args.resume and os.path.exists(args.resume):
         with open(args.resume) as f:
             done = json.load(f)
@@ -356,7 +400,7 @@ def run_in_subprocess(name, args, kept_caches=None):
             env.update(PIPELINE_CACHE="1", PIPELINE_CACHE_DIR=os.path.join(caches, "pipeline"))
         cmd = [sys.executable, __file__, "--row", name, "--row-json", out.name, "--layers", str(args.layers),
                "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-               "--device", args.device]
+               "--device", args.device, "--model", args.model]
         cmd += ["--profile"] if args.profile else []
         cmd += ["--trace-dir", args.trace_dir] if args.trace_dir else []
         cmd += ["--host-profile"] if args.host_profile else []
@@ -382,7 +426,7 @@ def run_one(args, config):
     try:
         row = row_of(args.row)
         losses, times, peak, extra = run_row(row, executors_of(row), config, batches, args.profile,
-                                             args.trace_dir, args.host_profile, args.first_step_profile)
+                                             args.trace_dir, args.host_profile, args.first_step_profile, args.model)
         result = {"row": args.row, "losses": losses, "times": times, "peak": peak, "extra": extra}
     except Exception as e:  # a row that cannot run says why; the others still run
         result = {"row": args.row, "error": f"{type(e).__name__}: {e}"[:2000]}

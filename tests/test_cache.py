@@ -122,7 +122,9 @@ WARM = textwrap.dedent("""
     out = cm(x)
     out.sum().backward()
     stats = pipeline.compile_stats(cm)
+    from torch._dynamo.utils import counters
     print(json.dumps({"cache": stats.cache, "notes": stats.cache_notes,
+                      "bundled_kernels": counters["inductor"]["triton_bundler_load_static_autotuner"],
                       "compiled": [k for k in stats.seconds if k.startswith("compile:")],
                       "values": [t.detach().cpu().flatten().tolist() for t in [out, *(p.grad for p in model.parameters())]]}))
 """)
@@ -144,6 +146,8 @@ def test_inductor_warm_process_with_empty_inductor_cache_is_bit_identical(tmp_pa
     assert cold["cache"] == {"g0": "miss"} and cold["compiled"] == ["compile:inductor"]
     assert warm["cache"] == {"g0": "hit"} and warm["compiled"] == [], (logs, warm["notes"])
     assert warm["values"] == cold["values"]  # float lists: equal means bit-identical (no NaNs here)
+    if device == "cuda":  # Triton kernels launched from the artifact's bundle, not compiled from source
+        assert warm["bundled_kernels"] > 0 and cold["bundled_kernels"] == 0, (warm, cold)
 
 
 def test_cache_off_by_option_or_env(mlp, monkeypatch):
