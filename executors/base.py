@@ -10,8 +10,7 @@ Everything else is optional and grouped by capability; an executor opts into one
 - `PerModel`: an instance per jitted model, a hook per call, state in the model's state dict;
 - `PreparesGraph`: it sees the captured graph (swaps ops it must receive whole, asks for built-in
   passes, decompositions for the partitioner).
-`Executor` keeps a neutral default for each of these hooks, so an executor that overrides them
-directly (as the README's example did before the capabilities existed) works the same.
+`Executor` keeps a neutral default for each hook, so an executor overriding them directly works the same.
 """
 from __future__ import annotations
 

@@ -77,9 +77,7 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     if table is not None:  # declined: the op itself, alone (a decomposition may re-emit it upcast)
         return None if len(calls) == 1 and calls[0].target is node.target else gm
-    if any(n.target is node.target for n in calls):
-        return None
-    return gm
+    return None if any(n.target is node.target for n in calls) else gm
 
 
 class NotDecomposable(Exception):
@@ -248,10 +246,7 @@ def _placeholders_to_inputs(node: fx.Node, sub: fx.GraphModule) -> dict:
 
 def _fake_mode_of(values):
     from torch._subclasses.fake_tensor import FakeTensor
-    for v in pytree.tree_leaves(values):
-        if isinstance(v, FakeTensor):
-            return v.fake_mode
-    return None
+    return next((v.fake_mode for v in pytree.tree_leaves(values) if isinstance(v, FakeTensor)), None)
 
 
 class _Declined(Exception):

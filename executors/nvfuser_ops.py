@@ -8,6 +8,7 @@ executor itself is `nvfuser_executor.py`.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional, Sequence
 
@@ -76,8 +77,6 @@ def _define_input(fd, value):
 
 
 def _translate(fd, node: fx.Node, env):
-    from nvfuser_direct.pytorch_utils import torch_dtype_to_nvfuser_dtype
-
     def arg(a):
         if isinstance(a, fx.Node):
             return env[a]
@@ -96,9 +95,8 @@ def _translate(fd, node: fx.Node, env):
         args = [_float(fd, a) for a in args]
     result = fn(fd, node, *args, **kwargs)
     want = node_value(node)
-    if isinstance(want, torch.Tensor) and not isinstance(result, (tuple, list)):
-        if result.dtype() != torch_dtype_to_nvfuser_dtype(want.dtype):
-            result = fd.ops.cast(result, torch_dtype_to_nvfuser_dtype(want.dtype))
+    if isinstance(want, torch.Tensor) and not isinstance(result, (tuple, list)) and result.dtype() != _nv(want.dtype):
+        result = fd.ops.cast(result, _nv(want.dtype))
     return result
 
 
@@ -208,8 +206,7 @@ def _copy_keeps_device(node: fx.Node) -> bool:
 @_op(prims.convert_element_type.default)
 @_op(aten._to_copy.default, checker=_copy_keeps_device)
 def _to_copy(fd, node, x, dtype=None, **kwargs):
-    want = node_value(node).dtype
-    return fd.ops.cast(x, _nv(want))
+    return fd.ops.cast(x, _nv(node_value(node).dtype))
 
 
 @_op(aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)
@@ -267,13 +264,10 @@ def _sum(fd, node, x, dims=None, keepdim=False, dtype=None):
 @_op(aten.mean.default)
 @_op(aten.mean.dim, checker=_static_shapes)
 def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
-    rank = _rank(node)
-    dims = _dims(dims, rank)
+    dims = _dims(dims, _rank(node))
     total = fd.ops.sum(_float(fd, x), dims, keepdim)
-    count = 1
     shape = node_value(node.args[0]).shape
-    for d in dims:
-        count = count * shape[d]
+    count = math.prod(shape[d] for d in dims)
     if not isinstance(count, int):
         raise NotImplementedError("nvfuser: mean over a symbolic size")
     return fd.ops.truediv(total, float(count))

@@ -12,12 +12,13 @@ import dataclasses
 import functools
 import operator
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from ir import Region, Step, Trace, describe_value, get_logger, node_value
+from ir import PipelineFallbackWarning, PipelineWarning, Region, Step, Trace, describe_value, get_logger, node_value
 from ir.symbols import check_symbols_bound
 
 from .base import Executor, RegionDeclined, op_name
@@ -34,10 +35,9 @@ log = get_logger("dispatch")
 class CompiledRegion(torch.nn.Module):
     """One region as it runs: the executor's compiled callable, named for the region.
 
-    Its first call is checked (`executors/result_check.py`): a result whose count, types, shapes,
-    dtypes, devices or strides differ from the region's trace is replaced by the result of the next
-    executor that claims the region (`replace`), which then runs it; later calls run the callable
-    with no check (`PIPELINE_DEBUG=1` checks every call).
+    Its first call is checked (`executors/result_check.py`): a wrong result is replaced by the result
+    of the next executor that claims the region (`replace`), which then runs it; later calls are not
+    checked (`PIPELINE_DEBUG=1` checks every call).
 
     While `CompiledRegion.profiling` is set (by `pipeline.profile`), each call is a named range
     (`region3:inductor`) in the profiler's timeline and chrome trace."""
@@ -180,7 +180,10 @@ class _RegionBuilder:
             source = self.gm.get_submodule(sub_name)
             region = _describe(source, first_region_id + k, self.stage, ex_name, self.graph_id,
                                self.order)
-            structure, why_no_key = _try(structure_key, source)
+            try:
+                structure, why_no_key = structure_key(source), None
+            except Exception as e:  # e.g. a constant without data: compiled, not cached
+                structure, why_no_key = None, f"{type(e).__name__}: {e}"
             twin = self.compiled.get((ex_name, structure)) if structure else None
             if twin is not None:  # the same region one layer down: run the code built for the first
                 fn, first = twin
@@ -205,7 +208,7 @@ class _RegionBuilder:
         artifacts, fn, key = self.artifacts, None, None
         if artifacts is not None and structure:
             key = region_key(structure, self.order)
-        elif artifacts is not None:  # e.g. a constant without data: compiled, not cached
+        elif artifacts is not None:
             self.uncached.append(f"region {region.id} not cached: no key ({why_no_key})")
         if key is not None:
             fn = _load_cached(artifacts.get(key), source, structure, region, self.by_name, self.uncached)
@@ -223,14 +226,6 @@ class _RegionBuilder:
         return fn
 
 
-def _try(fn, *args) -> tuple:
-    """(fn(*args), None), or (None, why not)."""
-    try:
-        return fn(*args), None
-    except Exception as e:
-        return None, f"{type(e).__name__}: {e}"
-
-
 def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, region: Region, by_name,
                  notes) -> Optional[Callable]:
     """The region rebuilt from its cached artifact, or None (not cached, or it would not load).
@@ -239,8 +234,6 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
         return None
     start = time.perf_counter()
     if artifact.structure != structure:  # another region's code: never run it here
-        import warnings
-        from ir import PipelineWarning
         warnings.warn(f"pipeline cache: region {region.id}: the cached {artifact.executor} artifact was "
                       f"compiled from another region graph; not loaded, compiling it", PipelineWarning)
         notes.append(f"region {region.id}: cached artifact belongs to another region graph; compiled")
@@ -294,8 +287,6 @@ def _replace_wrong_result(problem: str, *, source, region: Region, structure, or
 
 
 def _warn(message: str) -> None:
-    import warnings
-    from ir import PipelineFallbackWarning
     warnings.warn(f"pipeline: {message}", PipelineFallbackWarning, stacklevel=3)
 
 
@@ -351,23 +342,17 @@ def _claims_all(ex: Executor, gm: fx.GraphModule) -> bool:
 
 
 def _describe(source: fx.GraphModule, rid: int, stage: str, ex_name: str, graph_id: str,
-              order: Sequence[Executor] = ()) -> Region:
+              order: Sequence[Executor]) -> Region:
     nodes = list(source.graph.nodes)
     ops = [op_name(n.target) for n in nodes if n.op == "call_function" and n.target is not operator.getitem]
     ins = [describe_value(node_value(n)) for n in nodes if n.op == "placeholder"]
     out_node = nodes[-1]
     outs = [describe_value(node_value(a)) if isinstance(a, fx.Node) else repr(a)
             for a in out_node.args[0]]
-    counters = list(order) or _built_in_executors()  # their `flops` hooks count their own ops (TE's)
-    flops = [gemm_flops(n, counters) for n in nodes if n.op == "call_function"]
+    flops = [gemm_flops(n, order) for n in nodes if n.op == "call_function"]  # executors' hooks count their own ops
     return Region(id=rid, stage=stage, executor=ex_name, ops=ops, input_shapes=ins,
                   output_shapes=outs, graph_id=graph_id, gemm_flops=sum(f for f, _ in flops),
                   fp8_gemm_flops=sum(f for f, fp8 in flops if fp8))
-
-
-def _built_in_executors() -> list[Executor]:
-    from .registry import known_executors
-    return list(known_executors().values())
 
 
 def gemm_flops(node: fx.Node, executors: Sequence[Executor] = ()) -> tuple[int, bool]:

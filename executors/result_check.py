@@ -95,10 +95,8 @@ def _host_scalar(want: torch.Tensor, got: torch.Tensor) -> bool:
 
 def _strides_agree(want: torch.Tensor, got: torch.Tensor) -> bool:
     """Strides the trace fixes (static ones, of dims with more than one element) are the result's."""
-    for size, w, g in zip(want.shape, want.stride(), got.stride()):
-        if isinstance(size, int) and size > 1 and isinstance(w, int) and w != g:
-            return False
-    return True
+    return all(w == g for size, w, g in zip(want.shape, want.stride(), got.stride())
+               if isinstance(size, int) and size > 1 and isinstance(w, int))
 
 
 def _sizes(values) -> tuple:

@@ -33,7 +33,7 @@ def pass_symbol_inputs(gm: fx.GraphModule) -> None:
             for s in binds(node_value(node)):
                 binders.setdefault(str(s), []).append(node)
     for nodes in binders.values():
-        nodes.sort(key=lambda n: (not _is_symint(n), order[n]))
+        nodes.sort(key=lambda n: (not isinstance(node_value(n), torch.SymInt), order[n]))
     for call, problems in missing.items():
         added = []
         for problem in problems:
@@ -57,7 +57,3 @@ def _add_inputs(region: fx.GraphModule, call: fx.Node, values: list[fx.Node]) ->
         after = p
     call.args = tuple(call.args) + tuple(values)
     region.recompile()
-
-
-def _is_symint(node: fx.Node) -> bool:
-    return isinstance(node_value(node), torch.SymInt)

@@ -214,11 +214,8 @@ class TEExecutor(PerModel, PreparesGraph):
     def extra_state(self) -> dict[str, torch.Tensor]:
         if self.scaling is None:
             return {}
-        out = {}
-        for name, tensors in self.scaling.state().items():
-            for suffix, tensor in tensors.items():
-                out[_extra_key(name, suffix)] = tensor
-        return out
+        return {_extra_key(name, suffix): tensor for name, tensors in self.scaling.state().items()
+                for suffix, tensor in tensors.items()}
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> set[str]:
         if self.scaling is None:

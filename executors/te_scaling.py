@@ -1,5 +1,4 @@
-"""fp8 scaling for the `te` executor: current scaling (stateless) and delayed scaling (state kept with
-the jitted model).
+"""fp8 scaling for the `te` executor: current scaling (stateless), delayed scaling (state per jitted model).
 
 Each TE linear has three fp8 tensors: x and W in the forward, dy in the backward. Current scaling
 measures each tensor's amax right before casting it. Delayed scaling (TE's `DelayedScaling` recipe)

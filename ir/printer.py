@@ -48,10 +48,8 @@ def python_source(trace: Trace) -> str:
         if node.op == "output":
             body.append(_output_line(node, trace, names))
             continue
-        name = names.bind(node)
-        expr = _expression(node, names)
-        comment = describe_value(node_value(node))
-        body.append(f"{name} = {expr}  # {comment}{_tags(node)}")
+        name, expr = names.bind(node), _expression(node, names)
+        body.append(f"{name} = {expr}  # {describe_value(node_value(node))}{_tags(node)}")
     lines.extend("    " + line for line in body)
     return "\n".join(lines) + "\n"
 
@@ -61,7 +59,7 @@ def python_globals(trace: Trace) -> dict[str, Any]:
     env = {}
     for node in trace.graph.nodes:
         if node.op in ("get_attr", "call_module"):
-            env[_identifier(node.target)] = _fetch_attr(trace.module, node.target)
+            env[_identifier(node.target)] = operator.attrgetter(node.target)(trace.module)
     return env
 
 
@@ -192,16 +190,9 @@ def _format(a: Any, names: _Names) -> str:
 
 
 def _output_line(node: fx.Node, trace: Trace, names: _Names) -> str:
-    out = node.args[0]
-    text = f"return {_format(out, names)}"
+    text = f"return {_format(node.args[0], names)}"
     if trace.outputs:
         kinds = ", ".join(s.kind + (f"→{s.target}" if s.target else "") for s in trace.outputs)
         text += f"  # {kinds}"
     return text
 
-
-def _fetch_attr(root: torch.nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

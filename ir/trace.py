@@ -144,9 +144,7 @@ class Trace:
         out = graph.graph_copy(self.graph, value_map, return_output_node=True)
         if isinstance(out, tuple):  # graph_copy returns (output value, output node) here
             out = out[0]
-        graph.output(out)
-        old_out, new_out = self.output_node(), next(iter(reversed(graph.nodes)))
-        new_out.meta = dict(old_out.meta)
+        graph.output(out).meta = dict(self.output_node().meta)
         return _LazyGraphModule(self._gm, graph, class_name=type(self._gm).__name__)
 
     def derive(self, gm: fx.GraphModule, *, by: str, seconds: float = 0.0, name: Optional[str] = None,

@@ -31,7 +31,7 @@ def check_types(trace: Trace, *, before: Optional[Trace] = None, pass_name: str 
     who = f"pass {pass_name!r}" if pass_name else f"trace {trace.name!r}"
     if before is not None:
         _check_outputs(before, trace, who, output_dtypes_may_change)
-    known = _node_keys(before) if before is not None else set()
+    known = {_key(n) for n in before.graph.nodes} if before is not None else set()
     entered: list = []  # autocast regions the trace opened, closed again however the check ends
     try:
         with torch.set_grad_enabled(torch.is_grad_enabled()):  # restores grad mode after the check
@@ -97,10 +97,6 @@ def structure(trace: Trace) -> int:
     """A hash of every node's op, arguments and metadata identity: changes if a pass edits the
     trace it was given (cheaper than printing it)."""
     return hash(tuple(_key(n) for n in trace.graph.nodes))
-
-
-def _node_keys(trace: Trace) -> set:
-    return {_key(n) for n in trace.graph.nodes}
 
 
 def _key(node: fx.Node):
@@ -239,12 +235,8 @@ def _same_size(x, y) -> bool:
 
 def _same_strides(claimed: torch.Tensor, derived: torch.Tensor) -> bool:
     """Strides agree in every dim of more than one element (a size-1 dim's stride is arbitrary)."""
-    for size, c, d in zip(claimed.shape, claimed.stride(), derived.stride()):
-        if isinstance(size, int) and size <= 1:
-            continue
-        if not _same_size(c, d):
-            return False
-    return True
+    return all((isinstance(size, int) and size <= 1) or _same_size(c, d)
+               for size, c, d in zip(claimed.shape, claimed.stride(), derived.stride()))
 
 
 def _has_unbacked(value) -> bool:
@@ -259,9 +251,6 @@ def _context(node: fx.Node, around: int = 3) -> str:
     """The node and a few nodes either side, as fx prints them."""
     nodes = list(node.graph.nodes)
     i = nodes.index(node)
-    lines = []
-    for n in nodes[max(0, i - around): i + around + 1]:
-        mark = ">>" if n is node else "  "
-        lines.append(f"  {mark} {n.format_node()}")
-    return "\n".join(lines)
+    shown = nodes[max(0, i - around): i + around + 1]
+    return "\n".join(f"  {'>>' if n is node else '  '} {n.format_node()}" for n in shown)
 

@@ -25,8 +25,7 @@ def boxed(gm: fx.GraphModule):
     out = graph.graph_copy(gm.graph, value_map)
     graph.output(out)
     _region_calls_boxed(gm, graph)
-    runner = fx.GraphModule(gm, graph)
-    fn = runner.forward
+    fn = fx.GraphModule(gm, graph).forward
 
     def run(args):
         return fn(args)

@@ -2,10 +2,10 @@
 
 Key: a hash of the captured graph (its code and input metadata), the trace passes (each pass's
 qualified name and a hash of its source and closure), the model-changing transforms, the executors
-(names and `cache_token`s), the global modes it lowers under (grad, autocast), the torch and Python versions, and a hash of the pipeline's own source
-(`ir`, `executors`, `pipeline`, `transforms`: a change to how regions are formed or compiled must not
-load artifacts built the old way). A pass that sets `cacheable = False`
-(see `uncached`), or whose source cannot be read, turns the cache off for the graph, with the reason.
+(names and `cache_token`s), the global modes it lowers under (grad, autocast), the torch and Python
+versions, and a hash of the pipeline's own source (`ir`, `executors`, `pipeline`, `transforms`: a change
+to how regions are formed or compiled must not load artifacts built the old way). A pass that sets
+`cacheable = False` (see `uncached`), or whose source cannot be read, turns the cache off for the graph.
 
 Entry: per stage the lowered trace's fingerprint and its regions, the runtime wrappers' metadata, and
 each region's executor artifact keyed by the region's own hash (`executors.region_keys.region_key`), and
@@ -13,11 +13,9 @@ AOTAutograd's own entry for the graph: on a hit the pipeline captures, then load
 lowering (`warm_start`) and rebuilds each region from its artifact instead of compiling it.
 
 Files live under `PIPELINE_CACHE_DIR` (default `~/.cache/fxpipeline`); `PIPELINE_CACHE=0` or
-`jit(..., cache=False)` turns the cache off. Only what this user wrote is read (`cache_files`, and
-docs/cache.md for the trust model): a root, folder or entry someone else could have written turns
-the cache off for the process with one warning; entries are HMAC-sealed with a per-user key and
-checked before unpickling; a link, FIFO or oversized file is never read. Writes go to a temporary
-file in the same folder, then `os.replace`, so concurrent processes never see half an entry.
+`jit(..., cache=False)` turns the cache off. Only entries this user wrote and sealed are read, and a cache
+path others could write turns the cache off with one warning (`cache_files`; docs/cache.md for the trust
+model); writes are atomic (`os.replace`), so concurrent processes never see half an entry.
 """
 from __future__ import annotations
 

@@ -9,13 +9,10 @@ This reuses torch.compile's "reduce-overhead" machinery (`torch._inductor.cudagr
 first call of a stage runs normally (warm-up: Triton autotuning, TE's and cuBLAS's lazy state), the
 next records, later calls replay; parameters and saved activations stay where they are, other inputs
 are copied into the graph's own buffers; forward and backward share one memory pool. Its rules are
-torch.compile's: an output of a replay is overwritten by the next replay of that stage (keep a value
-across steps with `.clone()` or `.item()`), and each input shape has its own graph (`cuda_graphs=True`
-compiles with `dynamic=False` unless told otherwise; a stage with dynamic shapes is not recorded).
+torch.compile's (a replay overwrites the last one's outputs; one graph per input shape: see `jit`).
 
-A stage that cannot be recorded (a value off the GPU, a mutated input, dynamic shapes, an op with a
-data-dependent size, an executor whose kernels cannot be captured) runs region by region, and the
-reason is recorded (`pipeline.compile_stats(model).cuda_graphs`: "on" or "off: why").
+A stage that cannot be recorded (`why_not_recordable`) runs region by region, the reason recorded in
+`pipeline.compile_stats(model).cuda_graphs` ("on" or "off: why").
 """
 from __future__ import annotations
 

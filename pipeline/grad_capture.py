@@ -38,10 +38,8 @@ def differentiates_inside(model_or_fn) -> bool:
 
 
 def _calls_autograd_grad(code: types.CodeType) -> bool:
-    names = set(code.co_names)
-    if "autograd" in names and "grad" in names:
-        return True
-    return any(_calls_autograd_grad(c) for c in code.co_consts if isinstance(c, types.CodeType))
+    return {"autograd", "grad"} <= set(code.co_names) or any(
+        _calls_autograd_grad(c) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
 @torch.library.custom_op("pipeline::user_detach", mutates_args=())

@@ -3,7 +3,7 @@ where compile time went (`compile_stats`), and graph breaks before compiling (`e
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Callable
 
 import torch
@@ -26,9 +26,8 @@ class RegionTable(list):
             return "(no regions: the model has not been called yet, or it ran entirely in eager)"
         rows = [("id", "graph", "stage", "executor", "#ops", "ops", "inputs", "outputs")]
         for r in self:
-            ops = _summarize(r.ops)
             executor = r.executor + _fallback_mark(r.fallback_reason)
-            rows.append((str(r.id), r.graph_id, r.stage, executor, str(r.op_count), ops,
+            rows.append((str(r.id), r.graph_id, r.stage, executor, str(r.op_count), _summarize(r.ops),
                          _clip(", ".join(r.input_shapes)), _clip(", ".join(r.output_shapes))))
         # a region compiled as an earlier identical one shares its reason: say it once
         notes = [f"region {r.id}: {r.fallback_reason}" for r in self if r.fallback_reason and r.compiled_as is None]
@@ -122,13 +121,10 @@ def compile_stats(cm) -> CompileStats:
     history = _state(cm).history
     seconds: dict[str, float] = defaultdict(float)
     seconds["capture"] = history.capture_seconds
-    decomposed: dict[str, int] = defaultdict(int)
     for rec in history.records:
         for k, v in rec.seconds.items():
             if k != "total":
                 seconds[k] += v
-        for op in rec.decomposed:
-            decomposed[op] += 1
     return CompileStats(
         graphs=len(history.records), graph_breaks=list(history.graph_breaks),
         recompilations=history.recompiles, seconds=dict(seconds),
@@ -137,7 +133,7 @@ def compile_stats(cm) -> CompileStats:
         op_fallbacks=[(r.graph_id, op, why) for r in history.records for op, why in r.fallbacks],
         region_fallbacks=[(g.id, g.fallback_reason) for r in history.records for g in r.regions
                           if g.fallback_reason],
-        decomposed=dict(decomposed),
+        decomposed=dict(Counter(op for r in history.records for op in r.decomposed)),
         cache={r.graph_id: r.cache for r in history.records if r.cache},
         cache_notes=[(r.graph_id, n) for r in history.records for n in r.cache_notes],
         cuda_graphs={f"{r.graph_id} {stage}": v for r in history.records for stage, v in r.cuda_graphs.items()},
@@ -187,10 +183,7 @@ def format_table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def _summarize(ops: list[str], limit: int = 60) -> str:
-    counts: dict[str, int] = {}
-    for op in ops:
-        counts[op] = counts.get(op, 0) + 1
-    text = ", ".join(f"{k}×{v}" if v > 1 else k for k, v in counts.items())
+    text = ", ".join(f"{k}×{v}" if v > 1 else k for k, v in Counter(ops).items())
     return _clip(text, limit)
 
 

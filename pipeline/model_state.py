@@ -107,19 +107,17 @@ class _ReadAs:
 
 def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
     """The captured trace with each replaced parameter's placeholder swapped for the new tensors'
-    placeholders and the ops rebuilding it; returns (trace, example inputs, remap) where
-    `remap(args)` turns the captured graph's arguments into the new trace's."""
+    placeholders and the ops rebuilding it; returns (trace, example inputs)."""
     gm = trace.editable()
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fake_mode = next((node_value(n).fake_mode for n in placeholders if hasattr(node_value(n), "fake_mode")), None)
-    specs, inputs, plan, rebuild = [], [], [], []
+    specs, inputs, rebuild = [], [], []
     for node, spec, value in zip(placeholders, trace.inputs, example_inputs):
         r = replaced.get(spec.qualname) if spec.kind == InputKind.PARAMETER else None
         if r is None:
             specs.append(spec)
             inputs.append(value)
-            plan.append(None)
             continue
         new = {}
         with graph.inserting_before(node):
@@ -130,7 +128,6 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
                 new[suffix] = p
                 specs.append(InputSpec(InputKind.PARAMETER, p.name, f"{spec.qualname}.{suffix}"))
                 inputs.append(fake)  # static: lowering must not give these sizes symbols
-        plan.append(r)
         rebuild.append((node, r, new))
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node, r, new in rebuild:  # right before the first use: a gathered parameter lives only while used
@@ -142,17 +139,7 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
         graph.erase_node(node)
     gm.recompile()
     names = "+".join(sorted({r.transform.name for _, r, _ in rebuild}))
-    out = trace.derive(gm, by=names or "model_transforms", inputs=specs)
-
-    def remap(args):
-        flat = []
-        for a, r in zip(args, plan):
-            if r is None:
-                flat.append(a)
-            else:
-                flat.extend(r.tensors.values())
-        return flat
-    return out, inputs, remap
+    return trace.derive(gm, by=names or "model_transforms", inputs=specs), inputs
 
 
 def state_dict(original_state: dict, replaced: dict[str, Replaced]) -> dict:

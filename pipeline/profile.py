@@ -65,7 +65,6 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
         event = by_label.get(f"region{r.id}:{r.executor}")
         if event is None:
             continue
-        # kernel time for regions that ran on the GPU, host time for those that ran on the CPU
         micros = getattr(event, "device_time_total", 0) or event.cpu_time_total
         result.append(RegionTime(r.id, r.stage, r.executor, _clip(_summarize(r.ops), 50), event.count,
                                  micros / 1e3))

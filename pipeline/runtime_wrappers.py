@@ -49,8 +49,7 @@ class ModelTransformInputs(RuntimeWrapper):
     def pre_compile(self, trace, example_inputs):
         self.qualnames = [s.qualname if s.kind == "parameter" and s.qualname in self.replaced else None
                           for s in trace.inputs]
-        rewritten, inputs, _ = rewrite(trace, list(example_inputs), self.replaced)
-        return rewritten, inputs
+        return rewrite(trace, list(example_inputs), self.replaced)
 
     def post_compile(self, fn):
         plan = [None if q is None else self.replaced[q] for q in self.qualnames]

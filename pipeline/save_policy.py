@@ -10,9 +10,7 @@ a list (Transformer Engine's) adds a `getitem`, and the fp32 one was saved.
 This rule marks, on the joint graph, every forward value that is a full-size fp32 function of one
 upcast half-precision value (the upcast, then pointwise ops, views and copies of it, with scalars or
 smaller broadcast tensors beside it) as one to recompute, with the tags activation checkpointing
-uses; the partitioner then saves the half-precision value or something smaller (a reduction)
-instead. Values already tagged (by `checkpoint`, say), random ops, the forward's outputs and graphs
-with `torch.utils.checkpoint` regions are left alone.
+uses; the partitioner then saves the half-precision value or something smaller (a reduction) instead.
 """
 from __future__ import annotations
 

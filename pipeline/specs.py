@@ -73,8 +73,7 @@ def _captured_input(desc, captured: Sequence[InputSpec]) -> Optional[InputSpec]:
 def lowered_output_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: Stage,
                          fw_metadata=None, num_forward_outputs: int = 0) -> list[OutputSpec]:
     """Specs of an AOTAutograd graph's outputs, read from AOTAutograd's view/mutation metadata."""
-    out = list(gm.graph.output_node().args[0]) if hasattr(gm.graph, "output_node") else \
-        list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+    out = list(gm.graph.output_node().args[0])
     if stage == Stage.BACKWARD:
         return [OutputSpec(OutputKind.GRAD, _label(captured[i]) if i < len(captured) else None)
                 for i in range(len(out))]

@@ -71,12 +71,10 @@ class Chain(ModelTransform):
         return self.first.rebuild(graph, mid, original)
 
     def passes(self):
-        seen, out = set(), []
+        unique = {}  # by name, in order: the first of each
         for p in self.first.passes() + self.then.passes():
-            if p.name not in seen:
-                seen.add(p.name)
-                out.append(p)
-        return out
+            unique.setdefault(p.name, p)
+        return list(unique.values())
 
     # Row shards (sharded checkpoints): `then` shards rows, `first` works row by row, so this rank's
     # rows of the original are `first` applied to this rank's rows of `first`'s tensors.

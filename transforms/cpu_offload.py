@@ -63,13 +63,14 @@ def _offload_saved_outputs(trace: Trace, offloaded) -> fx.GraphModule:
 
 def _reload_saved_inputs(trace: Trace, offloaded) -> fx.GraphModule:
     gm = trace.editable()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node, spec in zip(list(gm.graph.nodes), trace.inputs):
         if node.op != "placeholder" or spec.kind != InputKind.SAVED or spec.qualname is not None:
             continue
         fake = node_value(node)
         if not offloaded(fake) or not node.users:
             continue
-        first_use = min(node.users, key=_position(gm))
+        first_use = min(node.users, key=order.__getitem__)
         with gm.graph.inserting_before(first_use):
             reload = gm.graph.call_function(aten._to_copy.default, (node,), {
                 "device": fake.device, "non_blocking": fake.device.type == "cuda"})
@@ -78,11 +79,6 @@ def _reload_saved_inputs(trace: Trace, offloaded) -> fx.GraphModule:
         node.meta["val"] = _on_cpu(fake)
     gm.recompile()
     return gm
-
-
-def _position(gm: fx.GraphModule):
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return order.__getitem__
 
 
 def _on_cpu(fake: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,8 @@ to every query head.
 Grouped-query attention models (Llama's 8 k/v heads for 32 query heads) often repeat k and v to every
 head before SDPA (`k.repeat_interleave(n, dim=1)`, or Hugging Face's `repeat_kv`): n copies of k and v
 written in the forward, their gradients summed in the backward. SDPA's `enable_gqa=True` gives each
-query head its group's k/v inside the kernel (the same grouping, so results match). H200, bf16, batch
-4 x 32 heads x seq 2048 x 64, causal, forward + backward with the repeat: cuDNN 0.861 -> 0.764 ms per
-layer, flash 1.305 -> 1.232 ms (`benchmarks/sdpa_gpu.py`).
+query head its group's k/v inside the kernel (the same grouping, so results match): 6-11% less time
+per layer, forward + backward, on the H200 (docs/passes.md, `benchmarks/sdpa_gpu.py`).
 
 Applied only where it can only win (`_can_win`, the guard of this one-rule `ir.rewrite`): attention in
 half precision on the devices given (CUDA by default); in fp32 no fused CUDA kernel of torch 2.11 takes

@@ -72,8 +72,5 @@ def _propagate_metadata(gm, placeholders) -> None:
 
 
 def _device_type(placeholders) -> str:
-    for node in placeholders:
-        value = node_value(node)
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.device.type
-    return "cpu"
+    values = (node_value(n) for n in placeholders)
+    return next((v.device.type for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()), "cpu")

@@ -43,11 +43,8 @@ class WeightOnlyQuantization(ModelTransform):
 
     def encode(self, value, like: Optional[dict[str, torch.Tensor]] = None):
         value = value.detach().float()
-        if like is not None:
-            scale = like["scale"]
-        else:
-            amax = value.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-            scale = amax / self.qmax
+        scale = (like["scale"] if like is not None
+                 else value.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / self.qmax)
         scaled = value / scale
         if self.dtype is torch.int8:
             q = scaled.round().clamp(-self.qmax, self.qmax).to(torch.int8)
