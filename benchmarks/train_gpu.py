@@ -245,7 +245,6 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host
         loss.backward()
         if first is not None and not times:
             first.disable()
-            extra_first = {"first_step_profile (cProfile)": profile_lines(first, 60)}
         t_backward = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -262,7 +261,7 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host
     extra = {"host_ms": {k: round(1e3 * sum(h[i] for h in timed) / len(timed), 2) for i, k in
                          enumerate(["forward call", "backward call", "optimizer call", "wait for the GPU"])}}
     if first is not None:
-        extra.update(extra_first)
+        extra["first_step_profile (cProfile)"] = profile_lines(first, 60)
     if how not in (None, "compile"):
         table = pipeline.regions(step_fn)
         extra["ops_by_executor"] = table.by_executor()

@@ -158,8 +158,7 @@ def _register_triton_kernels(compiled) -> None:
     their binaries and launchers, in the authenticated artifact), registered so that importing the
     wrapper module launches them directly, as torch.compile's warm start does, instead of compiling
     each kernel's source again (most of a warm start's region loading on the H200)."""
-    bundle = getattr(compiled, "_triton_bundle", None)
-    if bundle is not None and (bundle.kernel_artifacts or bundle.static_autotuners):
+    if bundle := getattr(compiled, "_triton_bundle", None):
         from torch._inductor.triton_bundler import TritonBundler
         TritonBundler.read_and_emit(bundle)
 

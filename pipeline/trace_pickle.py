@@ -49,9 +49,11 @@ class _StagePickler(GraphPickler):
 
 
 def _plain(t: FakeTensor) -> bool:
-    return (t.layout == torch.strided and not t.requires_grad and not t.is_conj() and not t.is_neg()
-            and all(type(s) is int for s in (*t.shape, *t.stride(), t.storage_offset()))
-            and type(t.untyped_storage().nbytes()) is int and t.untyped_storage().nbytes() % t.element_size() == 0)
+    if t.layout != torch.strided or t.requires_grad or t.is_conj() or t.is_neg():
+        return False  # checked before its storage is asked for: a sparse tensor has none
+    nbytes = t.untyped_storage().nbytes()
+    return all(type(s) is int for s in (*t.shape, *t.stride(), t.storage_offset(), nbytes)) \
+        and nbytes % t.element_size() == 0
 
 
 def _fake_tensor(state, sid: int, nbytes: int, shape, stride, offset: int, dtype, device) -> FakeTensor:
