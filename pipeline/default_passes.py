@@ -3,8 +3,8 @@
     print(pipeline.default_passes())                           # what runs besides yours
     pipeline.jit(model, transforms=[mixed_precision("bf16"), pipeline.without("grouped_kv_attention")])
 
-Each runs after the user's passes of its stage: `grouped_kv_attention` after the before-autodiff
-passes (so it sees mixed precision's autocast), `save_policy` after the joint passes (just before
+Each runs after the user's passes of its stage: `causal_attention`, then `grouped_kv_attention`, after
+the before-autodiff passes (so they see mixed precision's autocast), `save_policy` after the joint passes (just before
 the partitioner). They are optimizations: one that raises leaves the graph compiling without it,
 with the reason in `compile_stats` (`TracePass.optional`).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from ir import Trace
-from transforms import TracePass, grouped_kv_attention
+from transforms import TracePass, causal_attention, grouped_kv_attention
 
 from .save_policy import recompute_upcasts
 
@@ -31,7 +31,8 @@ def save_policy(trace: Trace) -> Trace:
 
 def default_passes() -> list[TracePass]:
     """The pipeline's own passes, in the order they run."""
-    return [dataclasses.replace(grouped_kv_attention(), optional=True),
+    return [dataclasses.replace(causal_attention(), optional=True),
+            dataclasses.replace(grouped_kv_attention(), optional=True),
             TracePass(save_policy, runs_on="joint", name="save_policy", optional=True)]
 
 

@@ -194,6 +194,26 @@ def test_executors_train_hf_llama_like_eager(names, dtype, loss_tol, grad_tol):
     assert_grads_close(model, eager, *grad_tol)
 
 
+def test_hf_llama_attention_is_causal_by_flag_on_grouped_kv():
+    """HF's traced Llama hands SDPA a causal mask and repeated k/v; by default the pipeline runs it as
+    eager HF does (causal_attention, then grouped_kv_attention): is_causal, enable_gqa, no mask."""
+    model = hf_llama().bfloat16()
+    eager = copy.deepcopy(model)
+    tokens = torch.randint(0, 512, (2, 64), device="cuda")
+    cm = pipeline.jit(model, executors=["inductor"])
+    loss = cm(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    ref = eager(input_ids=tokens, labels=tokens).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+    assert_grads_close(model, eager, 1e-1, 2e-2)
+    captured = [t for t in pipeline.last_traces(cm) if t.level == "torch"][-1]
+    sdpa = [n for n in captured.module.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert len(sdpa) == 2 and {p.name for p in captured.provenance} >= {"causal_attention", "grouped_kv_attention"}
+    assert all(n.kwargs.get("is_causal") is True and n.kwargs.get("enable_gqa") is True
+               and n.kwargs.get("attn_mask") is None for n in sdpa), captured.module.code
+
+
 @pytest.mark.parametrize("kind, tolerance", [("int8", 0.02), ("fp8", 0.08)])
 def test_quantized_llama_on_cuda_is_close_to_full_precision(kind, tolerance):
     from transforms import quantize

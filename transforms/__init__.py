@@ -1,5 +1,6 @@
 """Transforms: trace passes (Trace -> Trace), each declaring where in the pipeline it runs."""
 from .base import STAGES, TracePass, as_pass, pass_factory, trace_pass
+from .causal_attention import causal_attention
 from .chain import Chain, chain
 from .checkpoint import checkpoint
 from .cpu_offload import cpu_offload
@@ -12,5 +13,5 @@ from .model_transform import ModelTransform
 from .quantize import quantize
 
 __all__ = ["TracePass", "pass_factory", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload", "group_linears",
-           "grouped_kv_attention",
+           "grouped_kv_attention", "causal_attention",
            "ModelTransform", "chain", "Chain", "quantize", "materialize", "Materialize", "fsdp", "FSDP"]

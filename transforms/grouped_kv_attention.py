@@ -49,11 +49,13 @@ def _repeated(x: str) -> Either:
             | Call(("reshape", "view"), ("input", "*shape"), x + "_repeat", input=expanded))
 
 
-# SDPA on repeated k and v, not yet grouped
+# SDPA on repeated k and v, not yet grouped, with no mask: no fused kernel takes grouped k/v and a
+# mask together (flash and cuDNN take no mask, memory-efficient attention no grouped k/v), SDPA's math
+# path would (`causal_attention`, which runs first, turns a causal mask into the flag)
 ATTENTION_ON_REPEATS = Call(
     (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention),
     ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
-    query="q", key=_repeated("k"), value=_repeated("v"), enable_gqa=lambda gqa: not gqa)
+    query="q", key=_repeated("k"), value=_repeated("v"), enable_gqa=lambda gqa: not gqa, attn_mask=lambda mask: mask is None)
 
 
 @pass_factory
