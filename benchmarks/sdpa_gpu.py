@@ -2,11 +2,14 @@
 (batch 4, 32 heads, seq 2048, head dim 64, bf16): which kernel should run the model's attention.
 With fewer key/value heads (grouped-query attention, the model's 8), also each backend given the
 grouped k/v directly (`enable_gqa=True`) against repeating them to every head first, as the model
-does (the repeat and, in the backward, its sum included).
+does (the repeat and, in the backward, its sum included); and both given the causal mask as a tensor,
+as a traced Hugging Face model does (transformers' `sdpa_mask`), with SDPA choosing its backend
+("SDPA's choice"): what `causal_attention` saves.
 
     python benchmarks/sdpa_gpu.py [--batch 4 --heads 32 --kv-heads 8 --seq 2048 --head-dim 64]
 """
 import argparse
+import contextlib
 import warnings
 
 import torch
@@ -53,7 +56,7 @@ def measure(backend, fn, inputs, dy, forward_too=False):
     """(output, input gradients, forward ms or None, forward+backward ms) of `fn` on one SDPA
     backend, or why the backend cannot run it."""
     try:
-        with sdpa_kernel(backend), warnings.catch_warnings():
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a backend's reasons for declining, one per call
             out = fn()
             grads = torch.autograd.grad(out, inputs, dy)
@@ -84,17 +87,29 @@ def grouped_query_attention(a, fwd_flops):
     def grouped():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
+    mask = torch.ones(a.seq, a.seq, device="cuda", dtype=torch.bool).tril().expand(a.batch, 1, a.seq, a.seq)
+
+    def repeated_masked():  # a traced HF model: repeat_kv, the causal mask as a tensor
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, dim=1),
+                                              v.repeat_interleave(repeat, dim=1), attn_mask=mask)
+
+    def grouped_masked():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
     print(f"grouped-query: {a.kv_heads} k/v heads for {a.heads} query heads")
     ref = None
-    for backend in BACKENDS:
-        for name, fn in [("k/v repeated", repeated), ("enable_gqa", grouped)]:
+    variants = [("k/v repeated", repeated), ("enable_gqa", grouped), ("repeated+mask", repeated_masked),
+                ("gqa+mask", grouped_masked)]
+    for backend in [*BACKENDS, None]:
+        for name, fn in variants:
+            label = backend.name if backend is not None else "SDPA's choice"
             result = measure(backend, fn, (q, k, v), dy)
             if isinstance(result, str):
-                print(f"  {backend.name:20} {name:13} unavailable: {result}")
+                print(f"  {label:20} {name:13} unavailable: {result}")
                 continue
             ref = ref or result
             both = result[3]
-            print(f"  {backend.name:20} {name:13} fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} "
+            print(f"  {label:20} {name:13} fwd+bwd {both:6.3f} ms ({3.5 * fwd_flops / both / 1e9:5.0f} "
                   f"TFLOP/s)   max |Δ| vs the first {max_difference(result, ref):.2e}")
 
 

@@ -10,6 +10,7 @@ for every row — eager, torch.compile, and pipeline.jit with several executor l
     python benchmarks/train_gpu.py --resume /tmp/rows.json                               # two commands
     python benchmarks/train_gpu.py --cache --only "torch.compile" "pipeline.jit [inductor] + cuda graphs"
     python benchmarks/train_gpu.py --model hf      # the same rows on HF LlamaForCausalLM (or qwen2)
+    python benchmarks/train_gpu.py --model hf --without causal_attention   # what a default pass gains
 
 Rows ending in "+ cuda graphs" jit with `cuda_graphs=True` (each stage replayed as one CUDA graph);
 "torch.compile reduce-overhead" is torch.compile with its CUDA graphs; "torchao float8 + torch.compile"
@@ -214,7 +215,7 @@ def float8_training(model):
 
 
 def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host_calls=False,
-            first_step_profile=False, model_kind="llama"):
+            first_step_profile=False, model_kind="llama", without=()):
     torch.manual_seed(0)
     model = build_model(model_kind, config).to(DEVICE, torch.bfloat16)
     if name.startswith("torchao"):
@@ -225,8 +226,9 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host
         step_fn = torch.compile(model, mode="reduce-overhead" if name.endswith("reduce-overhead") else None)
     else:
         from transforms import group_linears
+        transforms = [group_linears()] if name.endswith("+ group_linears") else []
         step_fn = pipeline.jit(model, executors=how, cuda_graphs=name.endswith("+ cuda graphs"),
-                               transforms=[group_linears()] if name.endswith("+ group_linears") else [])
+                               transforms=transforms + ([pipeline.without(*without)] if without else []))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -301,6 +303,8 @@ def main():
                         help="where the CPU time of the forward and backward calls goes (cProfile)")
     parser.add_argument("--model", default="llama", choices=["llama", "hf", "qwen2"],
                         help="the hand-written Llama, or HF LlamaForCausalLM / Qwen2ForCausalLM of the same sizes")
+    parser.add_argument("--without", nargs="*", default=[],
+                        help="default passes the pipeline rows leave out (pipeline.without): what they gain")
     parser.add_argument("--first-step-profile", action="store_true",
                         help="where the first step's host time goes (cProfile: compile, cache loads, capture)")
     parser.add_argument("--trace-dir", default=None, help="with --profile: keep each row's chrome trace here")
@@ -328,11 +332,12 @@ def main():
     tokens_per_step = args.batch * args.seq
     model_name = {"llama": "Llama-style (hand-written)", "hf": "HF LlamaForCausalLM", "qwen2": "HF Qwen2ForCausalLM"}[args.model]
     print(f"{model_name} {params / 1e9:.2f}B params, {config.layers} layers, batch {args.batch} x seq {args.seq}, "
-          f"bf16, fused AdamW, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}, torch {torch.__version__}", flush=True)
+          f"bf16, fused AdamW, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}, torch {torch.__version__}"
+          + (f"; pipeline rows without the default passes {args.without}" if args.without else ""), flush=True)
     print(f"{'':50} {'tokens/s':>9} {'MFU':>6} {'1st step s':>10} {'peak GiB':>9} {'max |Δloss|':>11}", flush=True)
     results, eager_losses = [], None
     done = {}  # rows measured by an earlier command of the same run (--resume)
-    settings = {k: getattr(args, k) for k in ("layers", "batch", "seq", "steps", "device", "model")}
+    settings = {k: getattr(args, k) for k in ("layers", "batch", "seq", "steps", "device", "model", "without")}
     if args.resume and os.path.exists(args.resume):
         with open(args.resume) as f:
             done = json.load(f)
@@ -404,6 +409,7 @@ def run_in_subprocess(name, args, kept_caches=None):
         cmd += ["--trace-dir", args.trace_dir] if args.trace_dir else []
         cmd += ["--host-profile"] if args.host_profile else []
         cmd += ["--first-step-profile"] if args.first_step_profile else []
+        cmd += ["--without", *args.without] if args.without else []
         try:
             proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True, env=env)
         except subprocess.TimeoutExpired:
@@ -425,7 +431,8 @@ def run_one(args, config):
     try:
         row = row_of(args.row)
         losses, times, peak, extra = run_row(row, executors_of(row), config, batches, args.profile,
-                                             args.trace_dir, args.host_profile, args.first_step_profile, args.model)
+                                             args.trace_dir, args.host_profile, args.first_step_profile, args.model,
+                                             args.without)
         result = {"row": args.row, "losses": losses, "times": times, "peak": peak, "extra": extra}
     except Exception as e:  # a row that cannot run says why; the others still run
         result = {"row": args.row, "error": f"{type(e).__name__}: {e}"[:2000]}
