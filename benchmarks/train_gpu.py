@@ -214,10 +214,43 @@ def float8_training(model):
         and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
 
 
-def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host_calls=False,
-            first_step_profile=False, model_kind="llama", without=()):
+def saved_for_backward(step_fn, tokens, parameters, top=10) -> list[str]:
+    """What one step's forward keeps for the backward (autograd's saved-tensor hooks): distinct
+    storages other than the parameters', by dtype and shape, largest first. Blind inside a CUDA-graph
+    replay (no row with one)."""
+    seen, kept = {}, {p.untyped_storage().data_ptr() for p in parameters}
+
+    def pack(t):
+        inner = [getattr(t, a) for a in t.__tensor_flatten__()[0]] if hasattr(t, "__tensor_flatten__") else [t]
+        for x in inner:
+            if isinstance(x, torch.Tensor) and x.device.type != "meta":
+                storage = x.untyped_storage()
+                if storage.data_ptr() not in kept:
+                    seen[storage.data_ptr()] = (str(x.dtype).replace("torch.", ""), tuple(x.shape), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step_fn(tokens)
+    loss.backward()
+    groups = collections.defaultdict(lambda: [0, 0])
+    for dtype, shape, nbytes in seen.values():
+        groups[dtype, shape][0] += 1
+        groups[dtype, shape][1] += nbytes
+    total = sum(n for _, n in groups.values())
+    by_dtype = collections.Counter()
+    for (dtype, _), (_, n) in groups.items():
+        by_dtype[dtype] += n
+    lines = [f"total {total / 2**30:.2f} GiB in {len(seen)} storages (parameters not counted); by dtype: "
+             + ", ".join(f"{d} {n / 2**30:.2f}" for d, n in by_dtype.most_common())]
+    for (dtype, shape), (count, n) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"{n / 2**30:6.2f} GiB  {count:3d} x {dtype} {list(shape)}")
+    return lines
+
+
+def run_row(name, how, config, batches, args):
+    profile, first_step_profile = args.profile, args.first_step_profile
     torch.manual_seed(0)
-    model = build_model(model_kind, config).to(DEVICE, torch.bfloat16)
+    model = build_model(args.model, config).to(DEVICE, torch.bfloat16)
     if name.startswith("torchao"):
         model = float8_training(model)
     if how is None:
@@ -228,7 +261,7 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host
         from transforms import group_linears
         transforms = [group_linears()] if name.endswith("+ group_linears") else []
         step_fn = pipeline.jit(model, executors=how, cuda_graphs=name.endswith("+ cuda graphs"),
-                               transforms=transforms + ([pipeline.without(*without)] if without else []))
+                               transforms=transforms + ([pipeline.without(*args.without)] if args.without else []))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -277,14 +310,19 @@ def run_row(name, how, config, batches, profile=False, args_trace_dir=None, host
         if profile and "on" not in graphs.values():  # replayed graphs have no regions to time
             extra.update(gpu_time_by_executor(step_fn, batches[0]))
             opt.zero_grad(set_to_none=True)  # else the profiled step below adds into these gradients
-    if host_calls:
+    if args.host_profile:
         extra.update(host_profile(step_fn, opt, batches[0]))
+    if args.saved_tensors:
+        replayed = how not in (None, "compile") and "on" in pipeline.compile_stats(step_fn).cuda_graphs.values()
+        extra["saved_for_backward"] = (["not measurable: the stages replay as CUDA graphs"] if replayed
+                                       else saved_for_backward(step_fn, batches[0], model.parameters()))
+        opt.zero_grad(set_to_none=True)
     if profile:
         def one_step():
             step_fn(batches[0]).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        trace = os.path.join(args_trace_dir, name.replace(" ", "_").replace(",", "") + ".json") if args_trace_dir else None
+        trace = os.path.join(args.trace_dir, name.replace(" ", "_").replace(",", "") + ".json") if args.trace_dir else None
         extra["top_kernels"], extra["gpu_idle"] = top_kernels(one_step, trace_file=trace)
     return losses, times, peak, extra
 
@@ -305,6 +343,8 @@ def main():
                         help="the hand-written Llama, or HF LlamaForCausalLM / Qwen2ForCausalLM of the same sizes")
     parser.add_argument("--without", nargs="*", default=[],
                         help="default passes the pipeline rows leave out (pipeline.without): what they gain")
+    parser.add_argument("--saved-tensors", action="store_true",
+                        help="+ what a step keeps for its backward, by dtype and shape (rows without CUDA graphs)")
     parser.add_argument("--first-step-profile", action="store_true",
                         help="where the first step's host time goes (cProfile: compile, cache loads, capture)")
     parser.add_argument("--trace-dir", default=None, help="with --profile: keep each row's chrome trace here")
@@ -409,6 +449,7 @@ def run_in_subprocess(name, args, kept_caches=None):
         cmd += ["--trace-dir", args.trace_dir] if args.trace_dir else []
         cmd += ["--host-profile"] if args.host_profile else []
         cmd += ["--first-step-profile"] if args.first_step_profile else []
+        cmd += ["--saved-tensors"] if args.saved_tensors else []
         cmd += ["--without", *args.without] if args.without else []
         try:
             proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True, env=env)
@@ -430,9 +471,7 @@ def run_one(args, config):
     batches = [pool[i % 2] for i in range(args.steps)]
     try:
         row = row_of(args.row)
-        losses, times, peak, extra = run_row(row, executors_of(row), config, batches, args.profile,
-                                             args.trace_dir, args.host_profile, args.first_step_profile, args.model,
-                                             args.without)
+        losses, times, peak, extra = run_row(row, executors_of(row), config, batches, args)
         result = {"row": args.row, "losses": losses, "times": times, "peak": peak, "extra": extra}
     except Exception as e:  # a row that cannot run says why; the others still run
         result = {"row": args.row, "error": f"{type(e).__name__}: {e}"[:2000]}
