@@ -4,13 +4,10 @@ An executor is mostly a table: which ops it claims (`claims_table`, a `ClaimTabl
 `claims_op`), plus `compile_region`, which turns a region's ATen graph into a callable. `kind` is
 "fusion" (takes whole regions of contiguous claimed ops) or "operator" (takes single ops).
 
-Everything else is optional and grouped by capability; an executor opts into one by subclassing it
-(`class MyFuser(Cacheable, Executor)`) and overriding its hooks:
-- `Cacheable`: its compiled regions can be stored in and rebuilt from the artifact cache;
-- `PerModel`: an instance per jitted model, a hook per call, state in the model's state dict;
-- `PreparesGraph`: it sees the captured graph (swaps ops it must receive whole, asks for built-in
-  passes, decompositions for the partitioner).
-`Executor` keeps a neutral default for each hook, so an executor overriding them directly works the same.
+Everything else is optional and grouped by capability (`Cacheable`, `PerModel`, `PreparesGraph`,
+below); an executor opts into one by subclassing it (`class MyFuser(Cacheable, Executor)`) and
+overriding its hooks. `Executor` documents each hook and keeps a neutral default for it, so an
+executor overriding them directly works the same.
 """
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ import torch
 import torch.fx as fx
 
 from .claims import ClaimTable
-# Re-exported: modules that import these helpers from here (nvfuser_executor, dispatch, partition,
-# plan, pipeline/cache.py) keep working; new code imports them from where they live.
+# Re-exported for the modules that import them from here; new code imports them from where they live.
 from .artifact_files import artifact_files_dir, set_artifact_files_root  # noqa: F401
 from .graph_utils import (computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,  # noqa: F401
                           meta_strides_unreliable, op_name, promised_strides)
@@ -99,56 +95,15 @@ class Executor:
         """
         raise NotImplementedError
 
-    # -- neutral defaults of the capabilities' hooks (documented on the capability classes below) --
-    def cache_token(self) -> str:
-        return f"{type(self).__module__}.{type(self).__qualname__}"
-
-    def artifact_unsupported_reason(self, gm: fx.GraphModule, example_inputs: Sequence) -> str | None:
-        return f"executor {self.name!r} has no serializable artifact (it does not implement save_region/load_region)"
-
-    def save_region(self, fn: RegionFn) -> bytes:
-        raise NotImplementedError
-
-    def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence) -> RegionFn:
-        raise NotImplementedError
-
-    def for_model(self) -> "Executor":
-        return self
-
-    def before_call(self) -> None:
-        pass
-
-    def extra_state(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_extra_state(self, state: dict[str, torch.Tensor]) -> set[str]:
-        return set()
-
-    def prepare(self, trace):
-        return trace, []
-
-    def passes_before_prepare(self) -> tuple[str, ...]:
-        return ()
-
-    def decompositions_before_partition(self) -> dict:
-        return {}
-
-    def __repr__(self) -> str:
-        return f"<executor {self.name} ({self.kind})>"
-
-
-class Cacheable(Executor):
-    """An executor whose compiled regions the artifact cache can store and rebuild in another process:
-    it implements `save_region` and `load_region`, and puts its options into `cache_token`."""
-
+    # -- the capabilities' hooks, with their neutral defaults: `Cacheable` --------------------------
     def cache_token(self) -> str:
         """What, besides a region's graph, its compiled code depends on (options, library versions).
         Part of every cache key; override when an executor has options."""
-        return super().cache_token()
+        return f"{type(self).__module__}.{type(self).__qualname__}"
 
     def artifact_unsupported_reason(self, gm: fx.GraphModule, example_inputs: Sequence) -> str | None:
         """None when `save_region`/`load_region` can store and rebuild this region; otherwise why not."""
-        return None
+        return f"executor {self.name!r} has no serializable artifact (it does not implement save_region/load_region)"
 
     def save_region(self, fn: RegionFn) -> bytes:
         """The bytes `load_region` rebuilds the compiled region `fn` from (in another process)."""
@@ -161,19 +116,15 @@ class Cacheable(Executor):
         `executors.artifact_files.artifact_files_dir`."""
         raise NotImplementedError
 
-
-class PerModel(Executor):
-    """An executor with hooks around one jitted model: its own instance (TE's fp8 scaling history),
-    a hook at the start of each call, and entries in the model's state dict."""
-
+    # -- `PerModel` -------------------------------------------------------------------------------
     def for_model(self) -> "Executor":
         """The instance one jitted model uses: executors keeping per-model state return a fresh copy;
         stateless ones return themselves."""
         return self
 
-    # Not redefined (the pipeline skips executors that leave it as `Executor`'s): it costs a Python
-    # call per step, so override it only when needed (e.g. to update fp8 scales from the last amaxes).
-    before_call = Executor.before_call
+    def before_call(self) -> None:
+        """Runs at the start of each call (e.g. to update fp8 scales from the last amaxes). It costs a
+        Python call per step, so the pipeline skips executors that leave it as `Executor`'s."""
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """State this executor keeps for the model, as state-dict entries (`<module>._extra_state.*`)."""
@@ -183,10 +134,7 @@ class PerModel(Executor):
         """Takes the entries of `state` this executor owns; returns their keys."""
         return set()
 
-
-class PreparesGraph(Executor):
-    """An executor that sees the captured graph before autodiff, or the joint graph's tracing."""
-
+    # -- `PreparesGraph` --------------------------------------------------------------------------
     def passes_before_prepare(self) -> tuple[str, ...]:
         """Names of built-in passes (`transforms.<name>`) the pipeline runs on the captured trace just
         before `prepare` (TE's `group_linears`): an executor needing a rewrite contributes it by name
@@ -203,6 +151,27 @@ class PreparesGraph(Executor):
         executor would decompose anyway: the min-cut partitioner then sees their parts and can
         recompute a cheap one in the backward instead of saving a large output."""
         return {}
+
+    def __repr__(self) -> str:
+        return f"<executor {self.name} ({self.kind})>"
+
+
+class Cacheable(Executor):
+    """An executor whose compiled regions the artifact cache can store and rebuild in another process:
+    it implements `save_region` and `load_region`, and puts its options into `cache_token`."""
+
+    def artifact_unsupported_reason(self, gm: fx.GraphModule, example_inputs: Sequence) -> str | None:
+        return None
+
+
+class PerModel(Executor):
+    """An executor with hooks around one jitted model: its own instance (`for_model`: TE's fp8 scaling
+    history), a hook at the start of each call (`before_call`), and entries in the model's state dict."""
+
+
+class PreparesGraph(Executor):
+    """An executor that sees the captured graph before autodiff (`passes_before_prepare`, `prepare`),
+    or the joint graph's tracing (`decompositions_before_partition`)."""
 
 
 def cuda_library_missing(what: str, modules: Sequence[str], install: str) -> str | None:

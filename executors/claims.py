@@ -1,13 +1,8 @@
 """`ClaimTable`: which ops an executor claims, as a table `{op: checker | None}`.
 
-An executor fills its table with `register` (JAX's rule tables, Thunder's `op -> checker`); the
-default `Executor.claims_op` reads it:
-
-    claims = ClaimTable()
-    claims.register(torch.ops.aten.mul.Tensor)                        # always claimed
-    claims.register(torch.ops.aten.sum.dim_IntList, checker=lambda node: len(node.args) > 1)
-    class MyFuser(Executor):
-        claims_table = claims
+An executor fills its table with `register` (JAX's rule tables, Thunder's `op -> checker`) and sets
+it as its `claims_table`, which the default `Executor.claims_op` reads (docs/executors.md, "Writing an
+executor").
 """
 from __future__ import annotations
 

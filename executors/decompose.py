@@ -106,7 +106,7 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if _decomposable(node, table):
+        if isinstance(node.target, torch._ops.OpOverload) and (node.target in table or _is_composite(node.target)):
             key = _signature(node)
             if key not in traced:
                 try:
@@ -125,11 +125,6 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
             node.meta = {**node.meta, "val": _fake_run(node, fake_mode)}
             stale.setdefault(node, set()).update(mine)
     return fx.GraphModule(gm, graph)
-
-
-def _decomposable(node: fx.Node, table: dict) -> bool:
-    op = node.target
-    return isinstance(op, torch._ops.OpOverload) and (op in table or _is_composite(op))
 
 
 def _splice_with_values(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, fake_mode, stale: dict):

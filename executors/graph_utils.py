@@ -10,31 +10,21 @@ import torch.fx as fx
 from ir import node_value
 
 
-def static_stride(value) -> tuple[int, ...] | None:
-    """A fake or real tensor's stride when every entry is a plain int, else None."""
-    if isinstance(value, torch.Tensor) and all(isinstance(s, int) for s in value.stride()):
-        return tuple(value.stride())
-    return None
-
-
-def restrided(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """`t` copied into the layout `stride` (what a region's trace promised its consumers)."""
-    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
-
-
 def promised_strides(region: fx.GraphModule) -> list[tuple[int, tuple[int, ...]]]:
-    """(output index, stride) for each output of `region` whose trace promises a static layout: what
-    other regions were compiled against."""
+    """(output index, stride) for each output of `region` whose trace promises a static layout (every
+    stride a plain int): what other regions were compiled against."""
     outs = region.graph.find_nodes(op="output")[0].args[0]
-    strides = [(i, static_stride(node_value(n))) for i, n in enumerate(outs) if isinstance(n, fx.Node)]
-    return [(i, stride) for i, stride in strides if stride is not None]
+    values = [(i, node_value(n)) for i, n in enumerate(outs) if isinstance(n, fx.Node)]
+    return [(i, tuple(v.stride())) for i, v in values
+            if isinstance(v, torch.Tensor) and all(isinstance(s, int) for s in v.stride())]
 
 
 def keep_promised_strides(outs: list, promised: list[tuple[int, tuple[int, ...]]]) -> list:
     """`outs` (in place) with each output laid out differently from its promise copied into it."""
     for i, stride in promised:
         if outs[i].stride() != stride and outs[i].numel() > 1:  # one element: any stride is the same
-            outs[i] = restrided(outs[i], stride)
+            t = outs[i]
+            outs[i] = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
     return outs
 
 

@@ -216,7 +216,6 @@ def _clone(fd, node, x, **kwargs):
 
 @_op(aten.silu_backward.default)
 def _silu_backward(fd, node, grad, x):
-    grad, x = _float(fd, grad), _float(fd, x)
     s = fd.ops.sigmoid(x)
     return fd.ops.mul(grad, fd.ops.mul(s, fd.ops.add(1.0, fd.ops.mul(x, fd.ops.sub(1.0, s)))))
 
@@ -238,7 +237,6 @@ def _threshold_backward(fd, node, grad, x, threshold):
 
 @_op(aten.gelu.default)
 def _gelu(fd, node, x, approximate="none"):
-    x = _float(fd, x)
     if approximate == "tanh":
         inner = fd.ops.mul(0.7978845608028654, fd.ops.add(x, fd.ops.mul(0.044715, fd.ops.mul(x, fd.ops.mul(x, x)))))
         return fd.ops.mul(fd.ops.mul(0.5, x), fd.ops.add(1.0, fd.ops.tanh(inner)))
@@ -249,7 +247,6 @@ def _gelu(fd, node, x, approximate="none"):
 def _gelu_backward(fd, node, grad, x, approximate="none"):
     if approximate != "none":
         raise NotImplementedError("nvfuser: gelu_backward with the tanh approximation")
-    grad, x = _float(fd, grad), _float(fd, x)
     cdf = fd.ops.mul(0.5, fd.ops.add(1.0, fd.ops.erf(fd.ops.mul(x, 0.7071067811865476))))
     pdf = fd.ops.mul(0.3989422804014327, fd.ops.exp(fd.ops.mul(-0.5, fd.ops.mul(x, x))))
     return fd.ops.mul(grad, fd.ops.add(cdf, fd.ops.mul(x, pdf)))
@@ -258,14 +255,14 @@ def _gelu_backward(fd, node, grad, x, approximate="none"):
 # -- reductions --------------------------------------------------------------------------------------
 @_op(aten.sum.dim_IntList, aten.sum.default)
 def _sum(fd, node, x, dims=None, keepdim=False, dtype=None):
-    return fd.ops.sum(_float(fd, x), _dims(dims, _rank(node)), keepdim)
+    return fd.ops.sum(x, _dims(dims, _rank(node)), keepdim)
 
 
 @_op(aten.mean.default)
 @_op(aten.mean.dim, checker=_static_shapes)
 def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
     dims = _dims(dims, _rank(node))
-    total = fd.ops.sum(_float(fd, x), dims, keepdim)
+    total = fd.ops.sum(x, dims, keepdim)
     shape = node_value(node.args[0]).shape
     count = math.prod(shape[d] for d in dims)
     if not isinstance(count, int):
@@ -275,17 +272,17 @@ def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
 
 @_op(aten.amax.default)
 def _amax(fd, node, x, dims=(), keepdim=False):
-    return fd.ops.max(_float(fd, x), _dims(dims, _rank(node)), keepdim)
+    return fd.ops.max(x, _dims(dims, _rank(node)), keepdim)
 
 
 @_op(aten.amin.default)
 def _amin(fd, node, x, dims=(), keepdim=False):
-    return fd.ops.min(_float(fd, x), _dims(dims, _rank(node)), keepdim)
+    return fd.ops.min(x, _dims(dims, _rank(node)), keepdim)
 
 
 @_op(aten.var_mean.correction)
 def _var_mean(fd, node, x, dims=None, *, correction=None, keepdim=False):
-    var, mean = fd.ops.var_mean(_float(fd, x), _dims(dims, _rank(node)), int(1 if correction is None else correction),
+    var, mean = fd.ops.var_mean(x, _dims(dims, _rank(node)), int(1 if correction is None else correction),
                                 keepdim)
     want = node_value(node)
     return (fd.ops.cast(var, _nv(want[0].dtype)), fd.ops.cast(mean, _nv(want[1].dtype)))
@@ -293,7 +290,6 @@ def _var_mean(fd, node, x, dims=None, *, correction=None, keepdim=False):
 
 @_op(aten._softmax.default)
 def _softmax(fd, node, x, dim, half_to_float):
-    x = _float(fd, x)
     dim = _dims(dim, _rank(node))
     e = fd.ops.exp(fd.ops.sub(x, fd.ops.max(x, dim, True)))
     return fd.ops.truediv(e, fd.ops.sum(e, dim, True))
@@ -301,7 +297,6 @@ def _softmax(fd, node, x, dim, half_to_float):
 
 @_op(aten._log_softmax.default)
 def _log_softmax(fd, node, x, dim, half_to_float):
-    x = _float(fd, x)
     dim = _dims(dim, _rank(node))
     shifted = fd.ops.sub(x, fd.ops.max(x, dim, True))
     return fd.ops.sub(shifted, fd.ops.log(fd.ops.sum(fd.ops.exp(shifted), dim, True)))
@@ -309,7 +304,6 @@ def _log_softmax(fd, node, x, dim, half_to_float):
 
 @_op(aten._softmax_backward_data.default)
 def _softmax_backward(fd, node, grad, y, dim, input_dtype):
-    grad, y = _float(fd, grad), _float(fd, y)
     dim = _dims(dim, _rank(node))
     gy = fd.ops.mul(grad, y)
     return fd.ops.sub(gy, fd.ops.mul(y, fd.ops.sum(gy, dim, True)))
@@ -317,7 +311,6 @@ def _softmax_backward(fd, node, grad, y, dim, input_dtype):
 
 @_op(aten._log_softmax_backward_data.default)
 def _log_softmax_backward(fd, node, grad, y, dim, input_dtype):
-    grad, y = _float(fd, grad), _float(fd, y)
     dim = _dims(dim, _rank(node))
     return fd.ops.sub(grad, fd.ops.mul(fd.ops.exp(y), fd.ops.sum(grad, dim, True)))
 

@@ -6,9 +6,8 @@ still lie, on the longest path, between the op and the graph's outputs. Along an
 grows and it drops at each foreign op, so no path leaves a group and comes back: every group is a
 valid region, and the regions form no cycle. An op joins the group of its earliest consumer, so values
 are computed right before they are needed (recomputed activations in a backward stay with the layer
-that uses them) — except work that only feeds the graph's outputs (weight gradients, values saved for
-the backward), which is done as early as its inputs allow, so what it reads is freed in its own layer.
-Between two TE linears, say, everything Inductor claims becomes one region.
+that uses them), except work that only feeds the outputs (`_outputs_as_early_as_possible`). Between
+two TE linears, say, everything Inductor claims becomes one region.
 
 This is linear in the graph size; torch.fx's `CapabilityBasedPartitioner`, used before, merged
 greedily in quadratic time (10–14 s of a 16-layer fp8 Llama's first step on the H200 host).

@@ -130,8 +130,7 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     added to it when its executor can store it.
 
     `donated`: indices of the trace's inputs that nothing reads after this stage (AOTAutograd's
-    `bw_donated_idxs`: saved activations in a backward). The region that reads such an input last
-    gets it marked `meta["donated"]` on its placeholder, so its executor may reuse the memory.
+    `bw_donated_idxs`: saved activations in a backward), marked by `mark_donated_inputs`.
 
     `on_fallback(message)` is told when a region's result, at its first call, is not what its
     trace says and the region moves to the next executor (default: a `PipelineFallbackWarning`)."""
@@ -346,9 +345,7 @@ def _describe(source: fx.GraphModule, rid: int, stage: str, ex_name: str, graph_
     nodes = list(source.graph.nodes)
     ops = [op_name(n.target) for n in nodes if n.op == "call_function" and n.target is not operator.getitem]
     ins = [describe_value(node_value(n)) for n in nodes if n.op == "placeholder"]
-    out_node = nodes[-1]
-    outs = [describe_value(node_value(a)) if isinstance(a, fx.Node) else repr(a)
-            for a in out_node.args[0]]
+    outs = [describe_value(node_value(a)) if isinstance(a, fx.Node) else repr(a) for a in nodes[-1].args[0]]
     flops = [gemm_flops(n, order) for n in nodes if n.op == "call_function"]  # executors' hooks count their own ops
     return Region(id=rid, stage=stage, executor=ex_name, ops=ops, input_shapes=ins,
                   output_shapes=outs, graph_id=graph_id, gemm_flops=sum(f for f, _ in flops),
@@ -379,13 +376,10 @@ def gemm_flops(node: fx.Node, executors: Sequence[Executor] = ()) -> tuple[int, 
 
 def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int], may_alias: set[str] = frozenset()) -> None:
     """Sets `meta["donated"]` on a region's placeholder when the stage input it receives is donated,
-    this region is the last to read it or any tensor sharing its memory (a view of it that an earlier
-    region returned, say: no later region, not the stage's output), and no other input of this
-    region shares that memory (the region would read it after reusing it).
-
-    Memory is told apart by the fake values' storages; outputs of regions run by executors in
-    `may_alias` (whose kernels may return an input where the trace has a copy) count as sharing the
-    memory of all of that region's tensor inputs."""
+    this region is the last to read it or any tensor sharing its memory, and no other input of this
+    region shares that memory (docs/executors.md, `inductor`). Memory is told apart by the fake
+    values' storages; outputs of regions run by executors in `may_alias` (whose kernels may return an
+    input where the trace has a copy) count as sharing the memory of all of that region's tensor inputs."""
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     candidates = {inputs[i] for i in donated if i < len(inputs)}
     order = {n: k for k, n in enumerate(gm.graph.nodes)}

@@ -1,11 +1,10 @@
-"""The check of an executor's result against its region's trace, at the region's first call.
+"""The check of an executor's result against its region's trace, at the region's first call (what is
+compared, and what a mismatch does: docs/executors.md, at the end).
 
 An executor that returns a (3, 1) tensor where the trace has (3, 4), a transpose, float64 for
 float32, too few outputs or no tuple at all would otherwise hand a wrong value to the next region or
-to the user. The region's trace says what each output is (fake values: shape, dtype, device,
-layout, strides); the first result is compared with that, and a mismatch sends the region to the
-next executor that claims it (`CompiledRegion`). Later calls are not checked — the same compiled
-code gives results of the same metadata — except under `PIPELINE_DEBUG=1`.
+to the user. Later calls are not checked — the same compiled code gives results of the same
+metadata — except under `PIPELINE_DEBUG=1`.
 """
 from __future__ import annotations
 

@@ -11,12 +11,8 @@ AOTAutograd keeps both as single ops, and this operator executor claims them.
     pipeline.jit(model, executors=[te.fp8(), "nvfuser", "inductor"])             # fp8, current scaling
     pipeline.jit(model, executors=[te.fp8(DelayedScaling()), "nvfuser", "inductor"])  # fp8, delayed
 
-fp8 formats follow the recipe (HYBRID: E4M3 activations and weights, E5M2 gradients). The forward
-quantizes x and W once, with their transposes, and saves those fp8 copies for the backward GEMMs, so
-each weight is cast once per step. Delayed scaling keeps amax histories and scales per linear with the
-jitted model (`te_scaling.py`); they are saved in its state dict under `<module>._extra_state.*`
-keys, which an eager model loading with `strict=False` ignores. Shapes TE cannot take in fp8 (any of
-M, K, N not divisible by 16) stay ordinary linears, with the reason recorded.
+Recipes, fp8 formats, the delayed-scaling state (`te_scaling.py`) and what TE does not take:
+docs/executors.md, "`te`".
 """
 from __future__ import annotations
 
@@ -174,12 +170,10 @@ class TEExecutor(PerModel, PreparesGraph):
 
     def options(self, *, group_linears: bool | None = ...) -> "TEExecutor":
         """This executor with options. `group_linears=True`: linears reading the same input (q/k/v,
-        gate/up) become one TE GEMM on their stacked weights (`transforms.group_linears`), so the
-        input is cast to fp8 once per group and the GEMMs are larger; grouped linears share one fp8
-        scaling state, saved under the first member's module. `False`: one TE GEMM per linear.
-        `None` (the default): grouped in fp8, where the shared cast pays; not in bf16, where stacking
-        the weights (a copy each step, forward and backward) costs more than the larger GEMMs gain
-        (H200, 0.85B Llama: 95.8k tokens/s grouped vs 97.5k ungrouped). Not given: kept as it is."""
+        gate/up) become one TE GEMM on their stacked weights (`transforms.group_linears`), sharing one
+        fp8 scaling state, saved under the first member's module. `False`: one TE GEMM per linear.
+        `None` (the default): grouped in fp8 only, where the shared cast pays (docs/executors.md,
+        "Grouping", has the bf16 measurement). Not given: kept as it is."""
         group_linears = self.grouping if group_linears is ... else group_linears
         return TEExecutor(fp8=self.use_fp8, recipe=self.recipe, group_linears=group_linears)
 

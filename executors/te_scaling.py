@@ -1,12 +1,9 @@
-"""fp8 scaling for the `te` executor: current scaling (stateless), delayed scaling (state per jitted model).
-
-Each TE linear has three fp8 tensors: x and W in the forward, dy in the backward. Current scaling
-measures each tensor's amax right before casting it. Delayed scaling (TE's `DelayedScaling` recipe)
-casts with a scale derived from a history of amaxes of earlier steps, and the cast itself records
-the new amax — one kernel instead of two. The history and scales live here, one `DelayedScaling`
-state per jitted model, stacked per direction so that one fused TE kernel updates them all at the
-start of each call of the model. The custom ops reach the state through an integer handle, so the
-graph stays a pure function of its inputs as far as the compiler can see.
+"""fp8 scaling for the `te` executor: current scaling (stateless), delayed scaling (state per jitted
+model; the recipes: docs/executors.md). Each TE linear has three fp8 tensors: x and W in the forward,
+dy in the backward. The delayed-scaling history and scales live here, one `DelayedScalingState` per
+jitted model, stacked per direction so that one fused TE kernel updates them all at the start of each
+call of the model. The custom ops reach the state through an integer handle, so the graph stays a
+pure function of its inputs as far as the compiler can see.
 """
 from __future__ import annotations
 

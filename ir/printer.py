@@ -46,7 +46,8 @@ def python_source(trace: Trace) -> str:
         if node.op == "placeholder":
             continue
         if node.op == "output":
-            body.append(_output_line(node, trace, names))
+            kinds = ", ".join(s.kind + (f"→{s.target}" if s.target else "") for s in trace.outputs)
+            body.append(f"return {_format(node.args[0], names)}" + (f"  # {kinds}" if trace.outputs else ""))
             continue
         name, expr = names.bind(node), _expression(node, names)
         body.append(f"{name} = {expr}  # {describe_value(node_value(node))}{_tags(node)}")
@@ -151,16 +152,11 @@ def _callable_name(fn) -> str:
     if module == "builtins" or getattr(builtins, qualname, None) is fn:
         return qualname
     if module and module.startswith("torch"):
-        return _torch_path(fn, module, qualname)
-    return f"{module}.{qualname}"
-
-
-def _torch_path(fn, module, qualname) -> str:
-    # torch functions often live in private modules but are exposed publicly (torch._C._nn.gelu).
-    for public in ("torch", "torch.nn.functional", "torch.Tensor"):
-        obj = eval(public, {"torch": torch})
-        if getattr(obj, getattr(fn, "__name__", ""), None) is fn:
-            return f"{public}.{fn.__name__}"
+        # torch functions often live in private modules but are exposed publicly (torch._C._nn.gelu).
+        for public in ("torch", "torch.nn.functional", "torch.Tensor"):
+            obj = eval(public, {"torch": torch})
+            if getattr(obj, getattr(fn, "__name__", ""), None) is fn:
+                return f"{public}.{fn.__name__}"
     return f"{module}.{qualname}"
 
 
@@ -187,12 +183,3 @@ def _format(a: Any, names: _Names) -> str:
     if a is Ellipsis:
         return "..."
     return repr(a)
-
-
-def _output_line(node: fx.Node, trace: Trace, names: _Names) -> str:
-    text = f"return {_format(node.args[0], names)}"
-    if trace.outputs:
-        kinds = ", ".join(s.kind + (f"→{s.target}" if s.target else "") for s in trace.outputs)
-        text += f"  # {kinds}"
-    return text
-

@@ -3,10 +3,8 @@
 A pattern names the calls to look for and binds their arguments to names, so a rewrite reads as what
 it matches (tinygrad's pattern tables), not as code walking `node.args`. Not `torch.fx.subgraph_rewriter`:
 its patterns are traced functions, one per spelling, and Dynamo's graphs spell one op many ways
-(`x.reshape(s)`, `torch.reshape(x, s)`, keyword or positional arguments).
-
-    TWICE = Call(operator.mul, ("a", "b"), a="x", b=lambda b: b == 2)          # x * 2
-    rewrite(graph, [(TWICE, as_add, lambda m: m.value("x").is_floating_point())])
+(`x.reshape(s)`, `torch.reshape(x, s)`, keyword or positional arguments). An example:
+docs/passes.md, "A rewrite as a pattern list".
 """
 from __future__ import annotations
 

@@ -150,11 +150,8 @@ def _static(placeholders) -> bool:
 
 
 def _is_unbacked(symbol) -> bool:
-    try:
-        from torch.utils._sympy.symbol import SymT, symbol_is_type
-        return symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
-    except ImportError:  # a torch without the helper: unbacked symbols are named u0, u1, ...
-        return str(symbol).startswith("u")
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+    return symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
 
 
 def _op(node: fx.Node) -> str:

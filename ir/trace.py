@@ -140,10 +140,7 @@ class Trace:
         is first run or printed, not here: a pass that changes the graph would make it stale.
         """
         graph = fx.Graph()
-        value_map: dict[fx.Node, fx.Node] = {}
-        out = graph.graph_copy(self.graph, value_map, return_output_node=True)
-        if isinstance(out, tuple):  # graph_copy returns (output value, output node) here
-            out = out[0]
+        out = graph.graph_copy(self.graph, {})  # the output's value, mapped into `graph`
         graph.output(out).meta = dict(self.output_node().meta)
         return _LazyGraphModule(self._gm, graph, class_name=type(self._gm).__name__)
 

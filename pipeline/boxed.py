@@ -22,8 +22,7 @@ def boxed(gm: fx.GraphModule):
         value_map[node] = graph.call_function(operator.getitem, (args_list, i))
         value_map[node].name = node.name
     graph.call_method("clear", (args_list,))
-    out = graph.graph_copy(gm.graph, value_map)
-    graph.output(out)
+    graph.output(graph.graph_copy(gm.graph, value_map))
     _region_calls_boxed(gm, graph)
     fn = fx.GraphModule(gm, graph).forward
 

@@ -1,14 +1,11 @@
-"""`pipeline.save` / `pipeline.load`: a jitted model's (and its optimizer's) state through safetensors.
+"""`pipeline.save` / `pipeline.load`: a jitted model's (and its optimizer's) state through safetensors
+(what loads where: docs/passes.md, "Checkpoints").
 
-Unsharded, `path` is one file: the original model's state dict under `model.<key>` (an eager copy of
-the model loads it: `load_full(path)`), the optimizer's tensors under `optimizer.state.<index>.<name>`,
-its hyperparameters as JSON in the file's metadata.
-
-Under `fsdp`, `path` is a folder and each rank writes only its part, `rank<r>-of-<w>.safetensors`: its
-rows of every sharded tensor (and of their optimizer state), plus, from rank 0, what is not sharded;
-the file's `rows` metadata says which rows each part holds. Loading reads, for each tensor, only the
-rows this rank holds now, from whichever files hold them (safetensors' lazy slices), so a checkpoint
-saved on W ranks (or one file) loads on any number of ranks. `load_full(path)` assembles the whole.
+Unsharded, `path` is one file: the original model's state dict under `model.<key>`, the optimizer's
+tensors under `optimizer.state.<index>.<name>`, its hyperparameters as JSON in the file's metadata.
+Under `fsdp`, `path` is a folder of `rank<r>-of-<w>.safetensors` parts: each rank's rows of every
+sharded tensor (and of their optimizer state), plus, from rank 0, what is not sharded; the file's
+`rows` metadata says which rows each part holds, so loading reads only the rows a rank holds now.
 """
 from __future__ import annotations
 

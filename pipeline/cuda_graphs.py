@@ -1,9 +1,4 @@
-"""CUDA graphs for compiled stages (`pipeline.jit(..., cuda_graphs=True)`).
-
-A stage runs one region after another, each on its executor; on a GPU fast enough, the CPU cannot
-launch the kernels as quickly as they finish (Python in each executor, TE's quantizers, Inductor's
-wrappers) and the GPU waits. Recording the whole stage, all regions and executors, as one CUDA graph
-and replaying it costs the CPU one launch per stage.
+"""CUDA graphs for compiled stages (`pipeline.jit(..., cuda_graphs=True)`; why: docs/executors.md).
 
 This reuses torch.compile's "reduce-overhead" machinery (`torch._inductor.cudagraph_trees`): the
 first call of a stage runs normally (warm-up: Triton autotuning, TE's and cuBLAS's lazy state), the

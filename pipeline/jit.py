@@ -1,9 +1,5 @@
-"""`pipeline.jit`: compiles a module or function through the pipeline.
-
-The result behaves like what it wraps. A jitted module shares its parameters, buffers and
-submodules with the original (so `parameters()`, `state_dict()`, `load_state_dict()`, `train()`,
-`eval()` and optimizers work on the original tensors); calling it runs the compiled graphs.
-"""
+"""`pipeline.jit`: compiles a module or function through the pipeline; the result behaves like what it
+wraps (`JittedModule`, `JittedFunction`), and calling it runs the compiled graphs."""
 from __future__ import annotations
 
 import dataclasses
@@ -85,16 +81,11 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     dynamic: as in `torch.compile` (None: Dynamo's automatic dynamic shapes).
     cache: look up and store compiled artifacts on disk (`PIPELINE_CACHE_DIR`; `PIPELINE_CACHE=0`
         turns it off everywhere).
-    cuda_graphs: record each compiled stage (forward, backward), all its regions and executors, as
-        one CUDA graph and replay it: the CPU launches one graph instead of every kernel. As with
-        torch.compile's mode="reduce-overhead", the next step overwrites a step's outputs: keep a
-        value across steps with `.item()` or `.clone()`. Each input shape compiles and records its
-        own graphs (`dynamic` defaults to False). Stages that cannot be recorded run as usual;
-        `compile_stats(model).cuda_graphs` says which and why.
-    fallback: "warn" (default): a graph the pipeline cannot lower, a frame Dynamo gives up on, a
-        region whose executor fails or returns a wrong result runs in eager / on the next executor,
-        with a `PipelineFallbackWarning` and a line in `compile_stats(model).fallbacks`; "raise":
-        each of those is a `PipelineFallbackError` instead.
+    cuda_graphs: record each compiled stage (forward, backward) as one CUDA graph and replay it
+        (pipeline/cuda_graphs.py). As with torch.compile's mode="reduce-overhead", the next step
+        overwrites a step's outputs: keep a value across steps with `.item()` or `.clone()`. Each
+        input shape compiles and records its own graphs (`dynamic` defaults to False).
+    fallback: "warn" (default) or "raise": what a fallback (pipeline/fallbacks.py) does.
     """
     if not callable(model_or_fn):
         raise TypeError(f"pipeline.jit needs an nn.Module or a function, got {type(model_or_fn).__name__}")
@@ -104,10 +95,9 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"fullgraph must be True or False, got {fullgraph!r}")
     if dynamic not in (None, True, False):
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
-    if not isinstance(cache, bool):
-        raise TypeError(f"cache must be True or False, got {cache!r}")
-    if not isinstance(cuda_graphs, bool):
-        raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+    for name, value in (("cache", cache), ("cuda_graphs", cuda_graphs)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
     if fallback not in MODES:
         raise TypeError(f"fallback must be one of {MODES}, got {fallback!r}")
     if isinstance(transforms, (str, TracePass)) or not hasattr(transforms, "__iter__"):
@@ -135,22 +125,17 @@ def _own_recompile_budget() -> dict:
     code object (`Model.forward`, shared by every instance of a class) and guards it on the
     backend; without this, the 9th jitted instance of one class would hit the recompile limit (8)
     and run uncompiled. torch 2.11 lacks the option: there the limit is raised by one per jit
-    (`_count_jit`) and a hit limit is still reported (`_DynamoGiveUps`)."""
+    (counted in `_jits`) and a hit limit is still reported (`_DynamoGiveUps`)."""
+    global _jits
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         return {"isolate_recompiles": True}
-    _count_jit()
+    _jits += 1
+    if _jits > 1 and torch._dynamo.config.recompile_limit < 8 + _jits:
+        torch._dynamo.config.recompile_limit = 8 + _jits
     return {}
 
 
 _jits = 0
-
-
-def _count_jit() -> None:
-    global _jits
-    _jits += 1
-    base = 8
-    if _jits > 1 and torch._dynamo.config.recompile_limit < base + _jits:
-        torch._dynamo.config.recompile_limit = base + _jits
 
 
 class _DynamoGiveUps(logging.Handler):
@@ -305,7 +290,8 @@ def _graph_break_message(e) -> str:
 
 
 class JittedModule(torch.nn.Module):
-    """A compiled `nn.Module`: shares parameters, buffers and submodules with the original."""
+    """A compiled `nn.Module`: shares parameters, buffers and submodules with the original (so
+    `parameters()`, `state_dict()`, `train()`, `eval()` and optimizers work on the original tensors)."""
 
     def __init__(self, model: torch.nn.Module, runner, state: CompileState):
         super().__init__()

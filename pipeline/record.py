@@ -32,16 +32,12 @@ class GraphRecord:
 
     def add_trace(self, trace: Trace) -> Trace:
         self.traces.append(trace)
-        if debug_enabled():  # every node re-derived, not only those a pass changed
+        if os.environ.get("PIPELINE_DEBUG", "") not in ("", "0"):  # every node re-derived, not only changed ones
             verify(trace)
             if trace.ops() and not any(n.op == "call_module" for n in trace.graph.nodes):
                 check_types(trace)
             dump(trace, len(self.traces))
         return trace
-
-
-def debug_enabled() -> bool:
-    return os.environ.get("PIPELINE_DEBUG", "") not in ("", "0")
 
 
 def dump_dir() -> str:

@@ -7,10 +7,9 @@ min-cut partitioner weighs a saved value by its size times 1.1 per op between it
 so which one it keeps turns on a single op more or less on the way: a linear whose custom op returns
 a list (Transformer Engine's) adds a `getitem`, and the fp32 one was saved.
 
-This rule marks, on the joint graph, every forward value that is a full-size fp32 function of one
-upcast half-precision value (the upcast, then pointwise ops, views and copies of it, with scalars or
-smaller broadcast tensors beside it) as one to recompute, with the tags activation checkpointing
-uses; the partitioner then saves the half-precision value or something smaller (a reduction) instead.
+This rule (`recompute_upcasts`) tags every forward value that is a full-size fp32 function of one
+upcast half-precision value for recomputation, on the joint graph; the partitioner then saves the
+half-precision value or something smaller (a reduction) instead.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""`fsdp(process_group=None)`: fully sharded data parallelism over `torch.distributed`.
+"""`fsdp(process_group=None)`: fully sharded data parallelism over `torch.distributed` (docs/passes.md).
 
-Every trainable parameter is sharded along dim 0 across the ranks of the process group (padded to a
-multiple of the world size); each rank holds and trains only its shard. The trace all-gathers a
+Each rank holds and trains only its dim-0 shard of every trainable parameter. The trace all-gathers a
 parameter (functional collectives, so it stays a graph op) right before its use; the all-gather's
-backward reduce-scatters the gradient, so each rank receives only its gradient shard, averaged over
-ranks (each rank's loss is the mean over its part of the batch). A joint-graph pass marks the
-all-gathers for recomputation, so no full parameter is kept from forward to backward: the backward
-gathers again. gloo on the CPU, NCCL on GPUs.
+backward reduce-scatters the gradient, averaged over ranks (each rank's loss is the mean over its part
+of the batch). A joint-graph pass marks the all-gathers for recomputation, so no full parameter is
+kept from forward to backward.
 """
 from __future__ import annotations
 

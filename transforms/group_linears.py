@@ -1,17 +1,15 @@
-"""`group_linears()`: linears that read the same input become one linear on their stacked weights.
+"""`group_linears()`: linears that read the same input (q/k/v, gate/up) become one linear on their
+stacked weights: fewer, larger GEMMs and, with fp8 (`te`), one cast of the shared input instead of
+one per linear (when it pays: docs/passes.md).
 
-The q/k/v projections of attention and SwiGLU's gate/up projections read the same normalized
-activations. One GEMM with the weights stacked along N replaces each group: fewer and larger GEMMs
-(the narrow k/v projections are the least efficient ones), fewer kernel launches, and, with fp8
-(the `te` executor), one cast of the shared input instead of one per linear. The weights are
-concatenated in the trace on every call (a copy of the group's weights; autodiff splits the gradient
-back), and again in the backward where its GEMM needs them: the partitioner would otherwise keep the
-copy alive from forward to backward, a second copy of every grouped weight (0.9 GiB on the 1B Llama
-in bf16; `recompute` tag, as activation checkpointing sets). The output is split along its last dim,
-so results equal the separate linears up to GEMM rounding; a piece the model `.view()`s in a way a
-strided slice cannot be viewed (merging its last dim) is copied contiguous first. Runs before
-autodiff; with `te` listed, ask TE for it instead (`te.options(group_linears=True)`): TE swaps the
-linears before the passes run, so the pipeline runs this pass just before TE's `prepare`.
+The weights are concatenated in the trace on every call (a copy of the group's weights; autodiff
+splits the gradient back), and again in the backward where its GEMM needs them: the partitioner would
+otherwise keep the copy alive from forward to backward, a second copy of every grouped weight (0.9 GiB
+on the 1B Llama in bf16; `recompute` tag, as activation checkpointing sets). The output is split along
+its last dim, so results equal the separate linears up to GEMM rounding; a piece the model `.view()`s
+in a way a strided slice cannot be viewed (merging its last dim) is copied contiguous first. Runs
+before autodiff; with `te` listed, ask TE for it instead (`te.options(group_linears=True)`): TE swaps
+the linears before the passes run, so the pipeline runs this pass just before TE's `prepare`.
 """
 from __future__ import annotations
 

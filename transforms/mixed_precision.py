@@ -3,18 +3,14 @@
 
 Runs before autodiff on the captured trace: it wraps the whole program in an autocast region (the
 same `_enter_autocast` / `_exit_autocast` nodes Dynamo records for a `with torch.autocast(...)`
-block). Lowering then applies autocast's own op policy at the dispatcher — matmuls, convolutions and
-attention in low precision; reductions, softmax, norms and losses where autocast keeps them in
-fp32 — so the lowered trace shows every cast explicitly, and the backward derived from it carries
-gradients back to the fp32 parameters through those casts.
+block). Lowering then applies autocast's own op policy at the dispatcher, so the lowered trace
+shows every cast explicitly, and the backward derived from it carries gradients back to the fp32
+parameters through those casts.
 
 One difference from eager autocast: Python code that reads a dtype while tracing (`t.to(x.dtype)`)
 was specialized at capture, before this pass, so it sees fp32 where eager autocast would see bf16.
 Such values stay in fp32 until the next op autocast casts (more precise, not bit-identical).
-
-fp16 needs loss scaling against underflowing gradients: use `torch.amp.GradScaler` as in eager,
-`scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` — the jitted model's gradients
-land in `.grad` like eager's, so the scaler works unchanged.
+fp16 needs loss scaling: `torch.amp.GradScaler` works unchanged (docs/passes.md).
 """
 from __future__ import annotations
 
@@ -39,7 +35,8 @@ def mixed_precision(dtype: str = "bf16") -> TracePass:
         gm = trace.editable()
         graph = gm.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        device = _device_type(placeholders)
+        device = next((v.device.type for v in map(node_value, placeholders)
+                       if isinstance(v, torch.Tensor) and v.is_floating_point()), "cpu")
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first_op):
             enter = graph.call_function(torch.amp.autocast_mode._enter_autocast, (device, low, True, None))
@@ -69,8 +66,3 @@ def _propagate_metadata(gm, placeholders) -> None:
     for node in gm.graph.nodes:
         if "example_value" in node.meta and "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]
-
-
-def _device_type(placeholders) -> str:
-    values = (node_value(n) for n in placeholders)
-    return next((v.device.type for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()), "cpu")

@@ -1,16 +1,9 @@
-"""`ModelTransform`: a transform that changes parameters and the graph together (stage 2).
-
-Dynamo still captures the original module; the transform then
-  - replaces some parameters by new tensors (`encode`: e.g. an int8 weight and its scales),
-  - rewrites the captured trace so each replaced parameter's placeholder becomes placeholders for
-    the new tensors plus the ops that rebuild the original value from them (`rebuild`), and
-  - maps state dicts both ways (`decode` for saving the original keys, `encode` for loading).
-The compiled code runs on the new tensors; `cm.parameters()` returns them. Transforms chain
-(`transforms.chain`): each later one encodes every tensor the one before produced.
-
-A transform that holds only some rows (dim 0) of a parameter on this rank (FSDP) says which
-(`row_shard`) and converts between those rows and its tensors (`from_rows` / `local_rows`), so
-sharded checkpoints save and load each rank's rows, on any number of ranks.
+"""`ModelTransform`: a transform that changes parameters and the graph together (stage 2;
+docs/passes.md). Dynamo still captures the original module; the transform replaces some parameters
+by new tensors (`encode`), rewrites the captured trace to rebuild the original values from them
+(`rebuild`), and maps state dicts both ways (`decode`, `encode`). A transform that holds only some
+rows (dim 0) of a parameter on this rank (FSDP) says which (`row_shard`) and converts between those
+rows and its tensors (`from_rows` / `local_rows`), so sharded checkpoints save and load each rank's rows.
 """
 from __future__ import annotations
 

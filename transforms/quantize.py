@@ -1,11 +1,6 @@
-"""`quantize("int8" | "fp8")`: weight-only quantization of linear weights, for inference.
-
-The model holds the weights quantized — int8 with one fp32 scale per output channel, or fp8 (e4m3)
-with per-channel scales — and the trace dequantizes them right before use (`weight.to(f32) * scale`),
-so a region executor may fuse the dequantize into its kernels. The weights are never dequantized
-once at load time. `cm.state_dict()` gives the dequantized weights under the original keys and the
-scales under `<module>._extra_state.weight_scale`; loading that state dict back re-quantizes with those
-scales, to the same bits.
+"""`quantize("int8" | "fp8")`: weight-only quantization of linear weights, for inference (formats and
+state dicts: docs/passes.md). The trace dequantizes the weights right before use (`weight.to(f32) *
+scale`), never once at load time, so a region executor may fuse the dequantize into its kernels.
 """
 from __future__ import annotations
 
