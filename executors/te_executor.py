@@ -35,8 +35,10 @@ from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, r
 # -- the custom ops ----------------------------------------------------------------------------------
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8: bool,
               scaling: int, index: int) -> list[torch.Tensor]:
-    """[y]. `scaling`: -1 for current scaling, else the handle of a `DelayedScalingState`, whose
-    linear `index` this is."""
+    """[y] in bf16 mode; [y, x^T fp8, x scale_inv, W^T fp8, W scale_inv] in fp8 mode.
+
+    `scaling`: -1 for current scaling, else the handle of a `DelayedScalingState`, whose linear
+    `index` this is."""
     from transformer_engine.pytorch.cpp_extensions import general_gemm
     x2 = x.reshape(-1, x.shape[-1])
     shape = (*x.shape[:-1], weight.shape[0])
@@ -44,23 +46,15 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         y = general_gemm(weight, x2, out_dtype=x.dtype, layout="TN", bias=bias)[0]
         return [y.view(shape)]
     state = delayed_state(scaling) if scaling >= 0 else None
-    xq, wq = _fp8_casts(x2, weight, state, index)
-    if state is not None:
-        state.recorded_forward(index, x2, weight)
-    y = general_gemm(wq, xq, out_dtype=x.dtype, layout="TN", bias=bias, use_split_accumulator=False)[0]
-    return [y.view(shape)]
-
-
-def _fp8_casts(x2: torch.Tensor, weight: torch.Tensor, state: Optional[DelayedScalingState], index: int):
-    """x and W cast to fp8 (E4M3) with their transposes, with the scales of this step: the forward's
-    casts, and the backward's again from the bf16 x and W it saves. Saving the fp8 transposes instead
-    keeps 2.2 GiB more for the backward on the 0.85B H200 step (bf16 x is mostly saved or recomputed
-    for other ops anyway); casting again costs about 4% of the step (docs/executors.md)."""
     if state is None:
         qx, qw = current_quantizer("e4m3"), current_quantizer("e4m3")
     else:
-        qx, qw = state.forward_quantizers(index, x2.device)
-    return qx(x2.contiguous()), qw(weight.contiguous())
+        qx, qw = state.forward_quantizers(index, x.device)
+    xq, wq = qx(x2.contiguous()), qw(weight.contiguous())
+    if state is not None:
+        state.recorded_forward(index, x2, weight)
+    y = general_gemm(wq, xq, out_dtype=x.dtype, layout="TN", bias=bias, use_split_accumulator=False)[0]
+    return [y.view(shape), xq._transpose, xq._scale_inv, wq._transpose, wq._scale_inv]
 
 
 te_linear = torch.library.custom_op("pipeline_te::linear", mutates_args=())(_linear)
@@ -68,30 +62,47 @@ te_linear = torch.library.custom_op("pipeline_te::linear", mutates_args=())(_lin
 
 @te_linear.register_fake
 def _linear_fake(x, weight, bias, fp8, scaling, index):
-    return [x.new_empty(*x.shape[:-1], weight.shape[0])]
+    y = x.new_empty(*x.shape[:-1], weight.shape[0])
+    if not fp8:
+        return [y]
+    m, k, n = x.numel() // x.shape[-1], x.shape[-1], weight.shape[0]
+    u8, f32 = dict(dtype=torch.uint8, device=x.device), dict(dtype=torch.float32, device=x.device)
+    return [y, torch.empty(k, m, **u8), torch.empty(1, **f32), torch.empty(k, n, **u8), torch.empty(1, **f32)]
+
+
+def _fp8_saved_values(x, weight, fp8: bool) -> list:
+    """The fake values `pipeline_te::linear` returns beside y (the fp8 casts it saves)."""
+    if not fp8:
+        return []
+    import contextlib
+    with getattr(x, "fake_mode", None) or contextlib.nullcontext():
+        return _linear_fake(x, weight, None, fp8, -1, -1)[1:]
 
 
 def _linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool, fp8: bool,
                        scaling: int, index: int) -> list[torch.Tensor]:
-    """[dx, dW] (+ [db]) from dy and the forward's x and W (`saved`)."""
+    """[dx, dW] (+ [db]) from dy and what the forward saved."""
     from transformer_engine.pytorch.cpp_extensions import general_gemm
     dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
-    x, weight = saved
-    x2 = x.reshape(-1, x.shape[-1])
     if not fp8:
+        x, weight = saved
+        x2 = x.reshape(-1, x.shape[-1])
         dx = general_gemm(weight, dy2, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=True)[0]
         dw, db = general_gemm(x2, dy2, out_dtype=weight.dtype, layout="NT", grad=True,
                               bias=dy2[0] if has_bias else None, use_split_accumulator=True)[:2]
+        k = weight.shape[1]
     else:
         import transformer_engine_torch as tex
         from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
-        state = delayed_state(scaling) if scaling >= 0 else None
-        fwd_format, gq = (("e4m3", current_quantizer("e5m2")) if state is None
-                          else (state.forward.fmt, state.backward_quantizer(index, dy.device)))
+        x_t, x_si, w_t, w_si = saved
+        if scaling < 0:
+            fwd_format, gq = "e4m3", current_quantizer("e5m2")
+        else:
+            state = delayed_state(scaling)
+            fwd_format, gq = state.forward.fmt, state.backward_quantizer(index, dy.device)
         e4m3 = te_dtype(fwd_format)
-        xc, wc = _fp8_casts(x2, weight, state, index)
-        xq, wq = (Float8TensorStorage(data=None, data_transpose=c._transpose, fp8_scale_inv=c._scale_inv,
-                                      fp8_dtype=e4m3, fake_dtype=dy.dtype) for c in (xc, wc))
+        xq = Float8TensorStorage(data=None, data_transpose=x_t, fp8_scale_inv=x_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
+        wq = Float8TensorStorage(data=None, data_transpose=w_t, fp8_scale_inv=w_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
         if has_bias:
             db, dyq = tex.bgrad_quantize(dy2, gq)
         else:
@@ -100,7 +111,8 @@ def _linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool
             state.recorded_backward(index, dy2)
         dx = general_gemm(wq, dyq, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=True)[0]
         dw = general_gemm(xq, dyq, out_dtype=dy.dtype, layout="NT", grad=True, use_split_accumulator=True)[0]
-    out = [dx.view(*dy.shape[:-1], weight.shape[1]), dw]
+        k = w_t.shape[0]
+    out = [dx.view(*dy.shape[:-1], k), dw]
     return out + [db.to(dy.dtype)] if has_bias else out
 
 
@@ -109,7 +121,7 @@ te_linear_backward = torch.library.custom_op("pipeline_te::linear_backward", mut
 
 @te_linear_backward.register_fake
 def _(dy, saved, has_bias, fp8, scaling, index):
-    k = saved[1].shape[1]
+    k = saved[2].shape[0] if fp8 else saved[1].shape[1]
     n = dy.shape[-1]
     out = [dy.new_empty(*dy.shape[:-1], k), dy.new_empty(n, k)]
     return out + [dy.new_empty(n)] if has_bias else out
@@ -118,7 +130,7 @@ def _(dy, saved, has_bias, fp8, scaling, index):
 def _setup_context(ctx, inputs, output):
     x, weight, bias, fp8, scaling, index = inputs
     ctx.fp8, ctx.has_bias, ctx.scaling, ctx.index = fp8, bias is not None, scaling, index
-    ctx.save_for_backward(x, weight)
+    ctx.save_for_backward(*(output[1:] if fp8 else (x, weight)))
 
 
 def _backward(ctx, grads):
@@ -271,7 +283,7 @@ class TEExecutor(PerModel, PreparesGraph):
             scaling, index = ((self.scaling.handle, self.scaling.register(_linear_name(trace, m, specs)))
                               if self.scaling is not None else (-1, -1))
             call = add_call(graph, torch.ops.pipeline_te.linear.default, (m["x"], m["w"], m["b"], self.use_fp8, scaling,
-                            index), [y])
+                            index), [y] + _fp8_saved_values(m.value("x"), m.value("w"), self.use_fp8))
             first = add_call(graph, operator.getitem, (call, 0), y)
         node.replace_all_uses_with(first)
         graph.erase_node(node)
