@@ -105,16 +105,18 @@ def test_a_trace_without_masks_is_returned_as_is():
     assert causal_attention_in(trace) is trace
 
 
-def test_hf_llama_runs_causal_by_flag_and_grouped():
-    """Hugging Face's Llama (transformers materializes the causal mask and repeats k/v when traced):
-    after the default passes (grouped k/v applied on the CPU here) its attention is causal by flag on
-    grouped k/v, as the model runs eagerly."""
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])
+def test_hf_models_run_causal_by_flag_and_grouped(family):
+    """Hugging Face's Llama and Qwen2 (q/k/v biases; transformers materializes the causal mask and
+    repeats k/v when traced): after the default passes (grouped k/v applied on the CPU here) their
+    attention is causal by flag on grouped k/v, as the model runs eagerly."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, use_cache=False)
+    config = getattr(transformers, family + "Config")(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, use_cache=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).bfloat16()
+    model = getattr(transformers, family + "ForCausalLM")(config).bfloat16()
     tokens = torch.randint(0, 64, (2, 16))
     expected = model(input_ids=tokens, labels=tokens).loss
     expected.backward()
