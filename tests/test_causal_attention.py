@@ -135,3 +135,13 @@ def test_hf_models_run_causal_by_flag_and_grouped(family):
     for n in sdpa:
         assert n.kwargs.get("is_causal") is True and n.kwargs.get("attn_mask") is None, trace.module.code
         assert n.kwargs.get("enable_gqa") is True, trace.module.code
+
+
+def test_a_mask_too_large_to_compute_at_compile_time_is_left(monkeypatch):
+    import sys
+    monkeypatch.setattr(sys.modules["transforms.causal_attention"], "_LARGEST", 100)  # 16 x 16 masks
+    attention = _attention(CAUSAL["bool, tril"])
+    cm = pipeline.jit(attention, executors=["torch"], cache=False)
+    _check_like_eager(attention, cm)
+    trace, (sdpa,) = _sdpa(cm)
+    assert all(p.name != "causal_attention" for p in trace.provenance)

@@ -30,6 +30,8 @@ MASKED_ATTENTION = Call(
     query="query", key="key", attn_mask="mask", is_causal=lambda causal: not causal)
 
 # ops whose result changes from call to call with no input changing: such a mask is not a constant
+# masks are computed at compile time up to this size (a 32k x 32k causal mask); larger ones are left
+_LARGEST = 2 ** 30
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential",
            "geometric", "cauchy")
 
@@ -76,13 +78,15 @@ def _causal_by_flag(m: Match) -> None:
 
 def _ancestors(node: fx.Node) -> Optional[list[fx.Node]]:
     """The nodes `node` is computed from, in graph order, if none is a graph input, a call with side
-    effects or a random draw; else None."""
+    effects or a random draw, and none makes a tensor larger than `_LARGEST` elements; else None."""
     seen, work = {node}, [node]
     while work:
         n = work.pop()
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        value = node_value(n)
+        size = value.numel() if isinstance(value, torch.Tensor) else 0  # symbolic: not a constant
         if (n.op not in ("call_function", "call_method", "get_attr") or n.is_impure()
-                or any(r in name for r in _RANDOM)):
+                or any(r in name for r in _RANDOM) or not isinstance(size, int) or size > _LARGEST):
             return None
         for i in n.all_input_nodes:
             if i not in seen:
