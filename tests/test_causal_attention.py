@@ -145,3 +145,99 @@ def test_a_mask_too_large_to_compute_at_compile_time_is_left(monkeypatch):
     _check_like_eager(attention, cm)
     trace, (sdpa,) = _sdpa(cm)
     assert all(p.name != "causal_attention" for p in trace.provenance)
+
+
+def _writes_after_building(q):  # an in-place edit of a constant mask after it is built
+    m = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+    m[0, 1] = True
+    return m
+
+
+def _padding_written_in(q):  # older HF: the causal mask cloned, padding written into it in place
+    m = torch.full((q.shape[2], q.shape[2]), float("-inf")).triu(1).expand(q.shape[0], 1, -1, -1).clone()
+    m[:, :, :, :2] = m[:, :, :, :2].masked_fill(q[:, :1, :1, :2] > 0, float("-inf"))
+    return m
+
+
+def _tril_in_place(q):
+    base = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool)
+    return base.tril_()
+
+
+WRITTEN = {"setitem after building": _writes_after_building, "padding written in": _padding_written_in,
+           "tril_": _tril_in_place}
+
+
+@pytest.mark.parametrize("kind", list(WRITTEN))
+def test_a_mask_written_in_place_is_left_alone(kind):
+    """What an in-place write makes of a mask is not what its ancestors compute: never rewritten."""
+    attention = _attention(WRITTEN[kind])
+    cm = pipeline.jit(attention, executors=["torch"], cache=False)
+    _check_like_eager(attention, cm)
+    trace, (sdpa,) = _sdpa(cm)
+    assert all(p.name != "causal_attention" for p in trace.provenance), trace.module.code
+
+
+def test_a_tensor_written_in_place_and_read_elsewhere_keeps_its_write():
+    def f(q, k, v):
+        base = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=base.tril_())
+        return out + base.float().sum()
+
+    cm = pipeline.jit(f, executors=["torch"], cache=False)
+    _check_like_eager(f, cm)
+
+
+def test_one_mask_read_at_two_lengths_is_decided_per_attention():
+    """A [1, 1] mask is causal for one query and key position, not for eight."""
+    def f(q1, k1, v1, q, k, v):
+        m = torch.ones(1, 1, dtype=torch.bool)
+        one = F.scaled_dot_product_attention(q1, k1, v1, attn_mask=m)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m) + one.sum()
+
+    torch.manual_seed(0)
+    args = [torch.randn(1, 2, 1, 4) for _ in range(3)] + [torch.randn(1, 2, 8, 4) for _ in range(3)]
+    cm = pipeline.jit(f, executors=["torch"], cache=False)
+    torch.testing.assert_close(cm(*args), f(*args))
+
+
+@pytest.mark.parametrize("lengths", [(4, 8), (8, 4)])
+def test_query_and_key_lengths_may_differ(lengths):
+    """SDPA's flag is the upper-left `ones(L, S).tril()`, which the mask must equal."""
+    length, keys = lengths
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(length, keys, dtype=torch.bool).tril())
+
+    torch.manual_seed(0)
+    args = [torch.randn(2, 4, length, 8)] + [torch.randn(2, 4, keys, 8) for _ in range(2)]
+    cm = pipeline.jit(f, executors=["torch"], cache=False)
+    torch.testing.assert_close(cm(*args), f(*args))
+    _, (sdpa,) = _sdpa(cm)
+    assert sdpa.kwargs.get("is_causal") is True
+
+
+def test_only_masks_of_the_attentions_shape_are_computed():
+    """Checked on the fake values before computing anything: [.., L, S], bool or float, leading dims
+    1 or the query's (a mask over more batches would broadcast SDPA's output to them)."""
+    import sys
+    fits = sys.modules["transforms.causal_attention"]._fits
+    q, k = torch.empty(1, 4, 16, 8), torch.empty(1, 4, 16, 8)
+    for shape, dtype, expected in [((16, 16), torch.bool, True), ((1, 1, 16, 16), torch.float32, True),
+                                   ((4, 16, 16), torch.bool, True), ((2, 1, 16, 16), torch.bool, False),
+                                   ((3, 16, 16), torch.bool, False), ((16, 8), torch.bool, False),
+                                   ((16, 16), torch.int64, False), ((1, 1, 1, 16, 16), torch.bool, False)]:
+        assert fits(torch.empty(shape, dtype=dtype), q, k) is expected, (shape, dtype)
+
+
+def test_a_half_precision_additive_mask_becomes_the_flag():
+    def f(q, k, v):
+        mask = torch.full((16, 16), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16).triu(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    torch.manual_seed(0)
+    args = [torch.randn(2, 4, 16, 8, dtype=torch.bfloat16) for _ in range(3)]
+    cm = pipeline.jit(f, executors=["torch"], cache=False)
+    torch.testing.assert_close(cm(*args), f(*args), atol=2e-2, rtol=2e-2)
+    _, (sdpa,) = _sdpa(cm)
+    assert sdpa.kwargs.get("is_causal") is True

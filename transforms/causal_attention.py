@@ -9,7 +9,10 @@ the same model run eagerly, where HF leaves the mask out. This pass finds each s
 once at compile time (it depends on no input of the graph), and where it is exactly SDPA's causal mask
 (`ones(L, S).tril()`, as booleans, or as 0 / -inf or the dtype's lowest value added to the scores) for
 every batch and head, drops it and sets `is_causal=True`; `grouped_kv_attention` then removes the
-repeats. Masks read from an input (a padding mask the caller passes) are left as they are.
+repeats. Left as they are: masks read from an input (a padding mask the caller passes), written in
+place (anywhere, or through a view), over more batches or heads than the query, larger than
+`_LARGEST` bytes, or of symbolic sizes (Dynamo's automatic dynamic shapes after the sequence length
+changed: mark it static, or pad to a few fixed lengths, to keep the flag).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch.fx as fx
 
 from ir import Trace, node_value
 from ir.rewrite import Call, Match, rewrite
+from ir.torch_ops import writes_into
 
 from .base import TracePass, pass_factory
 
@@ -29,11 +33,16 @@ MASKED_ATTENTION = Call(
     ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
     query="query", key="key", attn_mask="mask", is_causal=lambda causal: not causal)
 
-# ops whose result changes from call to call with no input changing: such a mask is not a constant
-# masks are computed at compile time up to this size (a 32k x 32k causal mask); larger ones are left
+# calls whose result can differ from call to call with no input changing: such a mask is no constant
+_NOT_CONSTANT = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential",
+                 "geometric", "cauchy", "empty")
+# calls whose result may share memory with their input (a write into it would reach the mask)
+_ALIASING = {"view", "view_as", "reshape", "expand", "expand_as", "transpose", "t", "permute", "unsqueeze",
+             "squeeze", "flatten", "unflatten", "narrow", "select", "__getitem__", "getitem", "as_strided",
+             "detach", "diagonal", "movedim", "swapaxes", "split", "chunk", "unbind", "unfold", "contiguous",
+             "to", "type", "type_as", "float", "bool", "half", "bfloat16", "double", "int", "long"}
+# masks are computed at compile time up to this many bytes of memory per tensor (a 32k x 32k bool mask)
 _LARGEST = 2 ** 30
-_RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential",
-           "geometric", "cauchy")
 
 
 @pass_factory
@@ -46,20 +55,21 @@ def causal_attention_in(trace: Trace) -> Trace:
     """`trace` with every SDPA whose mask is the causal one computed from constants made causal by
     flag; `trace` itself if there is none."""
     gm = trace.editable()
-    masks: dict[fx.Node, bool] = {}  # one mask is often shared by every layer: computed once
+    decided: dict[tuple, bool] = {}  # one mask is often shared by every layer: computed once per shape
 
     def is_causal_mask(m: Match) -> bool:
-        mask = m["mask"]
-        if not isinstance(mask, fx.Node):
+        mask, query, key = m["mask"], m.value("query"), m.value("key")
+        if not isinstance(mask, fx.Node) or not _fits(node_value(mask), query, key):
             return False
-        if mask not in masks:
-            masks[mask] = _equals_causal(_constant(gm, mask), m.value("query"), m.value("key"))
-        return masks[mask]
+        seen = (mask, tuple(query.shape), key.shape[-2])
+        if seen not in decided:
+            decided[seen] = _equals_causal(_constant(gm, mask))
+        return decided[seen]
 
     done = rewrite(gm.graph, [(MASKED_ATTENTION, _causal_by_flag, is_causal_mask)])
     if not done:
         return trace
-    _erase_unused(list(masks))
+    _erase_unused([m["mask"] for m in done])
     gm.graph.lint()
     gm.recompile()
     return trace.derive(gm, by="causal_attention")
@@ -76,23 +86,29 @@ def _causal_by_flag(m: Match) -> None:
     m.root.args, m.root.kwargs = tuple(args), kwargs
 
 
-def _ancestors(node: fx.Node) -> Optional[list[fx.Node]]:
-    """The nodes `node` is computed from, in graph order, if none is a graph input, a call with side
-    effects or a random draw, and none makes a tensor larger than `_LARGEST` elements; else None."""
-    seen, work = {node}, [node]
-    while work:
-        n = work.pop()
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-        value = node_value(n)
-        size = value.numel() if isinstance(value, torch.Tensor) else 0  # symbolic: not a constant
-        if (n.op not in ("call_function", "call_method", "get_attr") or n.is_impure()
-                or any(r in name for r in _RANDOM) or not isinstance(size, int) or size > _LARGEST):
-            return None
-        for i in n.all_input_nodes:
-            if i not in seen:
-                seen.add(i)
-                work.append(i)
-    return [n for n in node.graph.nodes if n in seen]
+def _fits(mask, query, key) -> bool:
+    """Whether a mask of this fake value could be SDPA's causal one for `query` and `key` (checked
+    before computing it): [.., L, S] of static sizes, bool or float, its leading dims 1 or the query's
+    (a larger one would broadcast the output to more batches or heads than the flag gives)."""
+    tensors = (mask, query, key)
+    if not all(isinstance(t, torch.Tensor) and all(isinstance(d, int) for d in t.shape) for t in tensors):
+        return False
+    if query.dim() != 4 or key.dim() != 4 or not 2 <= mask.dim() <= 4 or mask.device.type == "meta":
+        return False
+    leading = zip(reversed(mask.shape[:-2]), reversed(query.shape[:-2]))
+    return ((mask.dtype == torch.bool or mask.is_floating_point())
+            and tuple(mask.shape[-2:]) == (query.shape[-2], key.shape[-2]) and all(d in (1, q) for d, q in leading))
+
+
+def _equals_causal(mask: Optional[torch.Tensor]) -> bool:
+    """Whether SDPA reads `mask` [.., L, S] as `ones(L, S).tril()` in every batch and head."""
+    if mask is None:
+        return False
+    causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return torch.equal(mask, causal.expand_as(mask))
+    kept, dropped = mask == 0, mask <= torch.finfo(mask.dtype).min
+    return bool((kept | dropped).all()) and torch.equal(kept, causal.expand_as(kept))
 
 
 def _constant(gm: fx.GraphModule, node: fx.Node) -> Optional[torch.Tensor]:
@@ -110,21 +126,49 @@ def _constant(gm: fx.GraphModule, node: fx.Node) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _equals_causal(mask: Optional[torch.Tensor], query, key) -> bool:
-    """Whether SDPA reads `mask` (broadcast to [batch, heads, L, S]) as `ones(L, S).tril()`."""
-    if mask is None or mask.device.type == "meta" or not all(
-            isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
-        return False
-    size = (query.shape[-2], key.shape[-2])
-    if not all(isinstance(s, int) for s in size) or mask.dim() < 2 or tuple(mask.shape[-2:]) != size:
-        return False
-    causal = torch.ones(size, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return torch.equal(mask, causal.expand_as(mask))
-    if not mask.is_floating_point():
-        return False
-    kept, dropped = mask == 0, mask <= torch.finfo(mask.dtype).min
-    return bool((kept | dropped).all()) and torch.equal(kept, causal.expand_as(kept))
+def _ancestors(node: fx.Node) -> Optional[list[fx.Node]]:
+    """The nodes `node` is computed from, in graph order; None unless each is a call (no graph
+    input), without side effects, no random draw nor uninitialized memory, no tensor over `_LARGEST`
+    bytes, and nothing in the graph writes into one of them or a view of one."""
+    seen, work = {node}, [node]
+    while work:
+        n = work.pop()
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        value = node_value(n)
+        size = _bytes(value) if isinstance(value, torch.Tensor) else 0  # symbolic: not a constant
+        if (n.op not in ("call_function", "call_method", "get_attr") or n.is_impure() or writes_into(n)
+                or any(r in name for r in _NOT_CONSTANT) or not isinstance(size, int) or size > _LARGEST):
+            return None
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                work.append(i)
+    if _written(seen):
+        return None
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def _bytes(value: torch.Tensor):
+    """The bytes of memory behind `value` (an expanded view: its storage's, not its size's)."""
+    try:
+        return value.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return value.numel() * value.element_size()
+
+
+def _written(nodes: set[fx.Node]) -> bool:
+    """Whether any call in the graph may write into the tensors of `nodes` or of views of them: any
+    in-place call reading one (conservatively, whichever argument it writes)."""
+    aliases, work = set(nodes), list(nodes)
+    while work:
+        for user in work.pop().users:
+            if writes_into(user):
+                return True
+            name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+            if user not in aliases and name in _ALIASING:
+                aliases.add(user)
+                work.append(user)
+    return False
 
 
 def _erase_unused(nodes: list[fx.Node]) -> None:
@@ -132,7 +176,7 @@ def _erase_unused(nodes: list[fx.Node]) -> None:
     work = list(nodes)
     while work:
         n = work.pop()
-        if n._erased or n.users or n.is_impure() or n.op == "placeholder":
+        if n._erased or n.users or n.is_impure() or writes_into(n) or n.op == "placeholder":
             continue
         inputs = n.all_input_nodes
         n.graph.erase_node(n)

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ir import Trace, node_value
+from ir.torch_ops import writes_into
 from ir.rewrite import Call, Either, Match, rewrite
 
 from .base import TracePass, pass_factory
@@ -70,7 +71,7 @@ def grouped_kv_attention_in(trace: Trace, devices: Sequence[str] = ("cuda",)) ->
     `trace` itself if there is none."""
     gm = trace.editable()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    writes = [order[n] for n in gm.graph.nodes if _writes(n)]
+    writes = [order[n] for n in gm.graph.nodes if writes_into(n)]
     done = rewrite(gm.graph, [(ATTENTION_ON_REPEATS, _read_grouped, lambda m: _can_win(m, devices, order, writes))])
     if not done:
         return trace
@@ -125,16 +126,6 @@ def _erase_unused(nodes: list[fx.Node]) -> None:
             inputs = node.all_input_nodes
             node.graph.erase_node(node)
             work.extend(inputs)
-
-
-def _writes(node: fx.Node) -> bool:
-    """Whether `node` may write into a tensor: an in-place method or function (`mul_`, `copy_`),
-    item assignment, `out=`/`inplace=True`, or an op whose schema mutates an argument."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    schema = getattr(node.target, "_schema", None)
-    return node.op in ("call_method", "call_function") and (
-        name.endswith("_") and not name.endswith("__") or node.target is operator.setitem
-        or "out" in node.kwargs or node.kwargs.get("inplace") is True or schema is not None and schema.is_mutable)
 
 
 def _same(a, b) -> bool:
