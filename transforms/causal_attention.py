@@ -1,18 +1,13 @@
 """`causal_attention()`: attention handed an explicit causal mask runs with `is_causal=True` instead.
 
-Hugging Face's models build their causal mask as a tensor whenever they are traced (transformers
-5.17's `sdpa_mask` cannot tell, under Dynamo, that no token is padded) and pass it to SDPA as
-`attn_mask`, with `is_causal=False` and k/v repeated to every query head (`repeat_kv`: SDPA's grouped
-k/v take no mask). An explicit mask keeps SDPA off its flash and cuDNN kernels, which apply causality
-by skipping the blocks above the diagonal instead of reading a mask: compiled HF models then lose to
-the same model run eagerly, where HF leaves the mask out. This pass finds each such mask, computes it
-once at compile time (it depends on no input of the graph), and where it is exactly SDPA's causal mask
-(`ones(L, S).tril()`, as booleans, or as 0 / -inf or the dtype's lowest value added to the scores) for
-every batch and head, drops it and sets `is_causal=True`; `grouped_kv_attention` then removes the
-repeats. Left as they are: masks read from an input (a padding mask the caller passes), written in
-place (anywhere, or through a view), over more batches or heads than the query, larger than
-`_LARGEST` bytes, or of symbolic sizes (Dynamo's automatic dynamic shapes after the sequence length
-changed: mark it static, or pad to a few fixed lengths, to keep the flag).
+Traced, Hugging Face's models (transformers 5.17's `sdpa_mask`) build their causal mask as a tensor
+and pass it to SDPA with `is_causal=False` and k/v repeated per head, which keeps SDPA off the flash
+and cuDNN kernels that skip the blocks above the diagonal (eager HF leaves the mask out). This pass
+computes each mask that depends on no graph input once, at compile time, and where it is SDPA's
+causal mask (`ones(L, S).tril()`: booleans, or 0 / -inf / the dtype's lowest added to the scores) in
+every batch and head, drops it and sets the flag; `grouped_kv_attention` then removes the repeats.
+Left alone: masks read from an input (padding), written in place (also through a view), broadcasting
+the output further, over `_LARGEST` bytes, or of symbolic sizes (docs/passes.md).
 """
 from __future__ import annotations
 
@@ -41,8 +36,7 @@ _ALIASING = {"view", "view_as", "reshape", "expand", "expand_as", "transpose", "
              "squeeze", "flatten", "unflatten", "narrow", "select", "__getitem__", "getitem", "as_strided",
              "detach", "diagonal", "movedim", "swapaxes", "split", "chunk", "unbind", "unfold", "contiguous",
              "to", "type", "type_as", "float", "bool", "half", "bfloat16", "double", "int", "long"}
-# masks are computed at compile time up to this many bytes of memory per tensor (a 32k x 32k bool mask)
-_LARGEST = 2 ** 30
+_LARGEST = 2 ** 30  # bytes per tensor a mask is computed with at compile time (a 32k x 32k bool mask)
 
 
 @pass_factory
@@ -90,10 +84,8 @@ def _fits(mask, query, key) -> bool:
     """Whether a mask of this fake value could be SDPA's causal one for `query` and `key` (checked
     before computing it): [.., L, S] of static sizes, bool or float, its leading dims 1 or the query's
     (a larger one would broadcast the output to more batches or heads than the flag gives)."""
-    tensors = (mask, query, key)
-    if not all(isinstance(t, torch.Tensor) and all(isinstance(d, int) for d in t.shape) for t in tensors):
-        return False
-    if query.dim() != 4 or key.dim() != 4 or not 2 <= mask.dim() <= 4 or mask.device.type == "meta":
+    if not all(isinstance(t, torch.Tensor) and all(isinstance(d, int) for d in t.shape) for t in (mask, query, key)) \
+            or query.dim() != 4 or key.dim() != 4 or not 2 <= mask.dim() <= 4 or mask.device.type == "meta":
         return False
     leading = zip(reversed(mask.shape[:-2]), reversed(query.shape[:-2]))
     return ((mask.dtype == torch.bool or mask.is_floating_point())
@@ -148,8 +140,7 @@ def _ancestors(node: fx.Node) -> Optional[list[fx.Node]]:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def _bytes(value: torch.Tensor):
-    """The bytes of memory behind `value` (an expanded view: its storage's, not its size's)."""
+def _bytes(value: torch.Tensor):  # the memory behind `value` (an expanded view's storage's bytes)
     try:
         return value.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
@@ -171,8 +162,7 @@ def _written(nodes: set[fx.Node]) -> bool:
     return False
 
 
-def _erase_unused(nodes: list[fx.Node]) -> None:
-    """Erases the masks no attention reads any more and what only they were computed from."""
+def _erase_unused(nodes: list[fx.Node]) -> None:  # the masks no attention reads, and their inputs
     work = list(nodes)
     while work:
         n = work.pop()
