@@ -10,6 +10,10 @@ from .rewrite import Call
 LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 LINEAR = Call(LINEARS, ("input", "weight", "bias"), input="x", weight="w", bias="b")
 
+# The calls a captured `F.scaled_dot_product_attention` is, and its parameters in signature order.
+SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
 
 def writes_into(node: fx.Node) -> bool:
     """Whether `node` may write into a tensor: an in-place method or function (`mul_`, `copy_`,
@@ -24,6 +28,19 @@ def writes_into(node: fx.Node) -> bool:
     schema = getattr(target, "_schema", None)
     return (name.endswith("_") and not name.endswith("__") or "out" in node.kwargs
             or node.kwargs.get("inplace") is True or schema is not None and schema.is_mutable)
+
+
+def erase_unread(nodes) -> None:
+    """Erases each of `nodes` nothing reads (any more), then the inputs that leaves unread, in turn;
+    never a graph input, a call with side effects or one that writes into a tensor."""
+    work = list(nodes)
+    while work:
+        n = work.pop()
+        if n._erased or n.users or n.op == "placeholder" or n.is_impure() or writes_into(n):
+            continue
+        inputs = n.all_input_nodes
+        n.graph.erase_node(n)
+        work.extend(inputs)
 
 
 _OPERATOR_IN_PLACE = {"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",

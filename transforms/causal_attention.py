@@ -18,15 +18,13 @@ import torch.fx as fx
 
 from ir import Trace, node_value
 from ir.rewrite import Call, Match, rewrite
-from ir.torch_ops import writes_into
+from ir.torch_ops import SDPA, SDPA_PARAMS, erase_unread, writes_into
 
 from .base import TracePass, pass_factory
 
 # SDPA given a mask node and no causal flag
 MASKED_ATTENTION = Call(
-    (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention),
-    ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
-    query="query", key="key", attn_mask="mask", is_causal=lambda causal: not causal)
+    SDPA, SDPA_PARAMS, query="query", key="key", attn_mask="mask", is_causal=lambda causal: not causal)
 
 # calls whose result can differ from call to call with no input changing: such a mask is no constant
 _NOT_CONSTANT = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential",
@@ -63,7 +61,7 @@ def causal_attention_in(trace: Trace) -> Trace:
     done = rewrite(gm.graph, [(MASKED_ATTENTION, _causal_by_flag, is_causal_mask)])
     if not done:
         return trace
-    _erase_unused([m["mask"] for m in done])
+    erase_unread([m["mask"] for m in done])
     gm.graph.lint()
     gm.recompile()
     return trace.derive(gm, by="causal_attention")
@@ -162,12 +160,3 @@ def _written(nodes: set[fx.Node]) -> bool:
     return False
 
 
-def _erase_unused(nodes: list[fx.Node]) -> None:  # the masks no attention reads, and their inputs
-    work = list(nodes)
-    while work:
-        n = work.pop()
-        if n._erased or n.users or n.is_impure() or writes_into(n) or n.op == "placeholder":
-            continue
-        inputs = n.all_input_nodes
-        n.graph.erase_node(n)
-        work.extend(inputs)

@@ -22,13 +22,12 @@ import torch
 import torch.fx as fx
 
 from ir import Trace, node_value
-from ir.torch_ops import writes_into
+from ir.torch_ops import SDPA, SDPA_PARAMS, erase_unread, writes_into
 from ir.rewrite import Call, Either, Match, rewrite
 
 from .base import TracePass, pass_factory
 
 HALF = (torch.bfloat16, torch.float16)
-SIZE_MATH = (operator.mul, operator.floordiv, operator.add, operator.sub)
 
 
 def _only_new_axes(index) -> bool:
@@ -54,9 +53,7 @@ def _repeated(x: str) -> Either:
 # mask together (flash and cuDNN take no mask, memory-efficient attention no grouped k/v), SDPA's math
 # path would (`causal_attention`, which runs first, turns a causal mask into the flag)
 ATTENTION_ON_REPEATS = Call(
-    (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention),
-    ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
-    query="q", key=_repeated("k"), value=_repeated("v"), enable_gqa=lambda gqa: not gqa, attn_mask=lambda mask: mask is None)
+    SDPA, SDPA_PARAMS, query="q", key=_repeated("k"), value=_repeated("v"), enable_gqa=lambda gqa: not gqa, attn_mask=lambda mask: mask is None)
 
 
 @pass_factory
@@ -75,7 +72,7 @@ def grouped_kv_attention_in(trace: Trace, devices: Sequence[str] = ("cuda",)) ->
     done = rewrite(gm.graph, [(ATTENTION_ON_REPEATS, _read_grouped, lambda m: _can_win(m, devices, order, writes))])
     if not done:
         return trace
-    _erase_unused([n for m in done for n in m.nodes[1:]])
+    erase_unread(n for m in done for n in m.nodes[1:])
     gm.graph.lint()
     gm.recompile()
     return trace.derive(gm, by="grouped_kv_attention")
@@ -112,20 +109,6 @@ def _heads_repeated(m: Match, x: str) -> Optional[int]:
     ok = (isinstance(n, int) and isinstance(u, torch.Tensor) and isinstance(r, torch.Tensor)
           and (tuple(u.shape), tuple(e.shape)) == ((b, h, 1, s, d), (b, h, n, s, d)) and _same(r.shape, (b, h * n, s, d)))
     return n if ok else None
-
-
-def _erase_unused(nodes: list[fx.Node]) -> None:
-    """Erases the given nodes nothing reads any more, and then the size arithmetic (`h * n` under
-    dynamic shapes) only they read."""
-    chains, work = set(nodes), list(nodes)
-    while work:
-        node = work.pop(0)
-        if node._erased or node.users:  # a chain shared by two attentions is listed twice
-            continue
-        if node in chains or node.op == "call_function" and node.target in SIZE_MATH:
-            inputs = node.all_input_nodes
-            node.graph.erase_node(node)
-            work.extend(inputs)
 
 
 def _same(a, b) -> bool:
