@@ -63,6 +63,7 @@ def test_causal_mask_becomes_the_flag(kind):
     attention = _attention(CAUSAL[kind])
     cm = pipeline.jit(attention, executors=["torch"])
     _check_like_eager(attention, cm)
+    assert not pipeline.compile_stats(cm).eager_fallbacks
     trace, (sdpa,) = _sdpa(cm)
     assert trace.provenance[-1].name in ("causal_attention", "grouped_kv_attention")
     assert any(p.name == "causal_attention" for p in trace.provenance)
@@ -130,6 +131,7 @@ def test_hf_models_run_causal_by_flag_and_grouped(family):
     torch.testing.assert_close(loss, expected, atol=2e-2, rtol=2e-2)
     for p, e in zip(model.parameters(), eager_grads):
         torch.testing.assert_close(p.grad.float(), e.float(), atol=2e-2, rtol=5e-2)
+    assert not pipeline.compile_stats(cm).eager_fallbacks
     trace, sdpa = _sdpa(cm)
     assert len(sdpa) == 2, trace.module.code
     for n in sdpa:

@@ -207,6 +207,7 @@ def test_hf_llama_attention_is_causal_by_flag_on_grouped_kv():
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
     assert_grads_close(model, eager, 1e-1, 2e-2)
+    assert "inductor" in {r.executor for r in pipeline.regions(cm)} and not pipeline.compile_stats(cm).eager_fallbacks
     captured = [t for t in pipeline.last_traces(cm) if t.level == "torch"][-1]
     sdpa = [n for n in captured.module.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
     assert len(sdpa) == 2 and {p.name for p in captured.provenance} >= {"causal_attention", "grouped_kv_attention"}
