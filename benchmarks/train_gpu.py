@@ -64,6 +64,7 @@ ROWS = ["eager", "torch.compile", "torch.compile reduce-overhead", "torchao floa
         "pipeline.jit [te fp8 delayed, nvfuser, inductor]", "pipeline.jit [te fp8 delayed, nvfuser, inductor] + cuda graphs",
         "pipeline.jit [te, nvfuser, inductor] bf16", "pipeline.jit [te, nvfuser, inductor] bf16 + cuda graphs",
         "pipeline.jit [nvfuser, inductor]", "pipeline.jit [nvfuser, inductor] + cuda graphs",
+        "pipeline.jit [nvfuser] + cuda graphs", "pipeline.jit [nvfuser, inductor] autotune + cuda graphs",
         "pipeline.jit [te fp8 current, nvfuser, inductor]", "pipeline.jit [te fp8 current, inductor]",
         "pipeline.jit [te fp8 delayed ungrouped, inductor]", "pipeline.jit [inductor] + group_linears"]
 
@@ -261,6 +262,7 @@ def run_row(name, how, config, batches, args):
         from transforms import group_linears
         transforms = [group_linears()] if name.endswith("+ group_linears") else []
         step_fn = pipeline.jit(model, executors=how, cuda_graphs=name.endswith("+ cuda graphs"),
+                               autotune="] autotune" in name,
                                transforms=transforms + ([pipeline.without(*args.without)] if args.without else []))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
     if DEVICE == "cuda":
@@ -304,6 +306,7 @@ def run_row(name, how, config, batches, args):
         # where the first step's compile time went: capture, lower, passes, dispatch, compile:<executor>
         extra["compile_seconds"] = {k: round(v, 1) for k, v in pipeline.compile_stats(step_fn).seconds.items()}
         extra["fp8_gemm_flop_share"] = table.fp8_gemm_flop_share()
+        extra["autotune"] = [line for line in str(table).splitlines() if " autotuned: " in line]
         graphs = pipeline.compile_stats(step_fn).cuda_graphs
         if graphs:
             extra["cuda_graphs"] = graphs

@@ -174,6 +174,18 @@ class PreparesGraph(Executor):
     or the joint graph's tracing (`decompositions_before_partition`)."""
 
 
+def library_version(module: str) -> str:
+    """`module`'s version and the GPU's compute capability, for the `cache_token` of an executor
+    whose compiled code depends on both ("none" where missing)."""
+    import importlib
+    try:
+        version = getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception:
+        version = "none"
+    sm = torch.cuda.get_device_capability() if torch.cuda.is_available() else "none"
+    return f"{module}={version} sm={sm}"
+
+
 def cuda_library_missing(what: str, modules: Sequence[str], install: str) -> str | None:
     """None when every module imports and a CUDA GPU is present; otherwise why not (an executor's
     `unavailable_reason` for a CUDA-only library)."""

@@ -21,6 +21,7 @@ import torch.fx as fx
 from ir import PipelineFallbackWarning, PipelineWarning, Region, Step, Trace, describe_value, get_logger, node_value
 from ir.symbols import check_symbols_bound
 
+from .autotune import Race, why_not_raced
 from .base import Executor, RegionDeclined, op_name
 from .dispatch import Assignment, assign
 from .partition import keep_islands_whole, partition
@@ -50,7 +51,6 @@ class CompiledRegion(torch.nn.Module):
         self.fn = fn
         self.region = region
         self.source = source  # the region's ATen graph, for inspection
-        self.label = f"region{region.id}:{region.executor}"
         self.check = ResultCheck(source, region, replace)
         self.forward = self._checked_forward  # instance attributes: dropped after the first call
         self.call_boxed = self._checked_call_boxed
@@ -66,7 +66,6 @@ class CompiledRegion(torch.nn.Module):
         out = CompiledRegion.call_boxed(self, args) if boxed else CompiledRegion.forward(self, *args)
         while (problem := self.check.problem(out)) is not None:
             self.fn = self.check.replacement(problem)
-            self.label = f"region{self.region.id}:{self.region.executor}"
             if held is None:
                 raise RuntimeError(f"{problem}; this call cannot run again (the region's inputs were donated "
                                    f"to it): the next call runs on {self.region.executor}")
@@ -74,6 +73,10 @@ class CompiledRegion(torch.nn.Module):
         if not self.check.every_call:
             del self.forward, self.call_boxed
         return out
+
+    @property
+    def label(self) -> str:  # a named range in the profiler's timeline
+        return f"region{self.region.id}:{self.region.executor}"
 
     def forward(self, *args):
         if CompiledRegion.profiling:
@@ -108,6 +111,7 @@ class RegionArtifact:
     data: bytes
     fallback_reason: Optional[str] = None
     structure: str = ""
+    race: Optional[dict] = None  # autotune: each candidate's median ms; `executor` is the choice
 
 
 @dataclasses.dataclass
@@ -117,12 +121,14 @@ class Execution:
     assignment: Assignment
     loaded: set[int] = dataclasses.field(default_factory=set)  # ids of regions rebuilt from `artifacts`
     uncached: list[str] = dataclasses.field(default_factory=list)  # why a region was not stored
+    autotune_seconds: float = 0.0  # compiling the candidates that were not listed first
 
 
 def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_id: str = "",
              fallback: Executor = torch_executor, first_region_id: int = 0,
              artifacts: Optional[dict[str, RegionArtifact]] = None,
-             donated: Sequence[int] = (), on_fallback: Optional[Callable[[str], None]] = None) -> Execution:
+             donated: Sequence[int] = (), on_fallback: Optional[Callable[[str], None]] = None,
+             autotune: Optional[Callable[[float], None]] = None) -> Execution:
     """Assigns, partitions and compiles `trace`; see the module docstring.
 
     `artifacts` (region key -> `RegionArtifact`), when given, is the compiled-artifact cache: a
@@ -133,7 +139,11 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     `bw_donated_idxs`: saved activations in a backward), marked by `mark_donated_inputs`.
 
     `on_fallback(message)` is told when a region's result, at its first call, is not what its
-    trace says and the region moves to the next executor (default: a `PipelineFallbackWarning`)."""
+    trace says and the region moves to the next executor (default: a `PipelineFallbackWarning`).
+
+    `autotune(seconds)`, when given, turns on `executors/autotune.py`: regions more than one of
+    `executors` can take are raced at their first call, which then reports what measuring took
+    (after putting the choice into `artifacts`)."""
     gm = trace.editable()
     steps: list[Step] = []
 
@@ -151,13 +161,14 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
         step("mark donated inputs", mark_donated_inputs, gm, donated,
              {e.name for e in order if e.outputs_may_alias_inputs})
     builder = _RegionBuilder(gm, order, fallback, stage, graph_id, artifacts, on_fallback or _warn)
+    builder.listed, builder.autotune = list(executors), autotune
     regions = step("compile or load regions", builder.build_all, named, first_region_id)
     _set_region_values(gm)
     gm.recompile()
     out = trace
     for s in steps:
         out = out.derive(gm, by=s.name, seconds=s.seconds, name=trace.name)
-    return Execution(out, regions, assignment, builder.loaded, builder.uncached)
+    return Execution(out, regions, assignment, builder.loaded, builder.uncached, builder.autotune_seconds)
 
 
 class _RegionBuilder:
@@ -172,6 +183,9 @@ class _RegionBuilder:
         self.uncached: list[str] = []
         self.compiled: dict[tuple, tuple[Callable, Region]] = {}  # (executor, structure) -> first built
         self.replaced: dict[tuple, tuple[Callable, Region]] = {}  # the same, for wrong results
+        self.listed: list[Executor] = list(order)
+        self.autotune: Optional[Callable[[float], None]] = None
+        self.autotune_seconds = 0.0
 
     def build_all(self, named, first_region_id: int) -> list[Region]:
         regions = []
@@ -187,8 +201,11 @@ class _RegionBuilder:
             if twin is not None:  # the same region one layer down: run the code built for the first
                 fn, first = twin
                 region.executor, region.fallback_reason, region.compiled_as = first.executor, first.fallback_reason, first.id
+                region.race = first.race
                 if first.id in self.loaded:  # for the cache, a twin of a loaded region is loaded too
                     self.loaded.add(region.id)
+                if isinstance(fn, Race) and fn.chosen is None:
+                    fn.regions.append(region)
             else:
                 fn = self._load_or_compile(source, region, ex_name, structure, why_no_key)
                 log.info("%s %s: region %d/%d (%d ops) %s by %s in %.2f s", self.graph_id, self.stage, k + 1,
@@ -206,7 +223,7 @@ class _RegionBuilder:
     def _load_or_compile(self, source, region, ex_name, structure, why_no_key) -> Callable:
         artifacts, fn, key = self.artifacts, None, None
         if artifacts is not None and structure:
-            key = region_key(structure, self.order)
+            key = region_key(structure, self.order, *(["autotune"] if self.autotune else []))
         elif artifacts is not None:
             self.uncached.append(f"region {region.id} not cached: no key ({why_no_key})")
         if key is not None:
@@ -215,7 +232,10 @@ class _RegionBuilder:
                 self.loaded.add(region.id)
         if fn is None:
             fn, failed = _compile_with_fallback(source, region, self.by_name[ex_name], self.order, self.fallback)
-            if key is not None and not failed:
+            race = self._race(fn, source, region, key) if self.autotune else None
+            if race is not None:
+                fn = race  # stored once its first call has chosen
+            elif key is not None and not failed:
                 _store(artifacts, key, fn, source, region, self.by_name[region.executor], self.uncached)
             elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
                 self.uncached.append(f"region {region.id} not cached: an executor failed to compile it")
@@ -223,6 +243,36 @@ class _RegionBuilder:
         if island:
             region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
         return fn
+
+    def _race(self, fn, source, region: Region, key: Optional[str]) -> Optional[Race]:
+        """The region's compiled code (`fn`, by `region.executor`) racing every other listed executor
+        that takes the whole region, or None when there is nothing to race."""
+        names = [e.name for e in self.listed]  # those before region.executor declined it already
+        if region.executor not in names or why_not_raced(source):
+            return None
+        others = [e for e in self.listed[names.index(region.executor) + 1:] if _claims_all(e, source)]
+        if not others:
+            return None
+        start, example_inputs = time.perf_counter(), [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
+        candidates = [(self.by_name[region.executor], fn)]
+        for ex in others:
+            try:
+                candidates.append((ex, _compile_isolated(ex, source, example_inputs)))
+            except Exception as e:  # declined or failed: not a candidate (the region runs as listed)
+                log.info("region %d: autotune: %s did not compile it (%s: %s)", region.id, ex.name,
+                         type(e).__name__, str(e).strip()[:200])
+        self.autotune_seconds += time.perf_counter() - start
+        if len(candidates) < 2:
+            return None
+
+        def decided(name: str, times: dict, seconds: float) -> None:
+            if key is not None:
+                _store(self.artifacts, key, race.chosen, source, region, self.by_name[name], [])
+                if key in self.artifacts:
+                    self.artifacts[key].race = times
+            self.autotune(seconds)
+        race = Race(candidates, region, source, decided)
+        return race
 
 
 def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, region: Region, by_name,
@@ -246,7 +296,7 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
                      f"({type(e).__name__}: {str(e).strip()[:200]}); compiled")
         return None
     region.compile_seconds = time.perf_counter() - start
-    region.executor = artifact.executor
+    region.executor, region.race = artifact.executor, artifact.race
     region.fallback_reason = artifact.fallback_reason
     return fn
 

@@ -34,10 +34,10 @@ def structure_key(source: fx.GraphModule) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def region_key(structure: str, order: Sequence) -> str:
-    """The compiled-artifact cache's key of a region: its `structure_key` and the executors that
-    could compile it (with their options)."""
-    return hashlib.sha256("\n".join([structure, *(e.cache_token() for e in order)]).encode()).hexdigest()
+def region_key(structure: str, order: Sequence, *modes: str) -> str:
+    """The compiled-artifact cache's key of a region: its `structure_key`, the executors that
+    could compile it (with their options) and how one was chosen (`modes`: "autotune")."""
+    return hashlib.sha256("\n".join([structure, *(e.cache_token() for e in order), *modes]).encode()).hexdigest()
 
 
 def _value_signatures(v) -> str:

@@ -27,7 +27,7 @@ from ir import Trace, fake_like, node_value
 from ir.rewrite import Call, Match, add_call, match, rewrite
 from ir.torch_ops import LINEAR
 
-from .base import PerModel, PreparesGraph, cuda_library_missing
+from .base import Cacheable, PerModel, PreparesGraph, cuda_library_missing, library_version
 from .claims import ClaimTable
 from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, recipe_formats, te_dtype
 
@@ -153,7 +153,7 @@ _CLAIMS = ClaimTable()
 _CLAIMS.register(torch.ops.pipeline_te.linear.default, torch.ops.pipeline_te.linear_backward.default)
 
 
-class TEExecutor(PerModel, PreparesGraph):
+class TEExecutor(Cacheable, PerModel, PreparesGraph):
     name = "te"
     kind = "operator"
     claims_table = _CLAIMS
@@ -191,7 +191,16 @@ class TEExecutor(PerModel, PreparesGraph):
                           group_linears=self.grouping)
 
     def cache_token(self) -> str:
-        return f"te fp8={self.use_fp8} recipe={self.recipe!r} group_linears={self.group_linears}"
+        return (f"te {library_version('transformer_engine')} fp8={self.use_fp8} recipe={self.recipe!r} "
+                f"group_linears={self.group_linears}")
+
+    # Nothing compiled to store: a cached region is rebuilt from its graph (fp8 scaling state lives
+    # in the model's state dict, not in the cache).
+    def save_region(self, fn) -> bytes:
+        return b""
+
+    def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
+        return self.compile_region(gm, example_inputs)
 
     def for_model(self) -> "TEExecutor":
         """Delayed scaling keeps state per jitted model: each model gets its own copy."""

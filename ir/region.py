@@ -20,6 +20,7 @@ class Region:
     compiled_as: Optional[int] = None  # an identical earlier region whose compiled code this one runs
     gemm_flops: int = 0           # matmul FLOPs per call
     fp8_gemm_flops: int = 0       # of which in fp8
+    race: Optional[dict] = None   # autotune: median ms of each candidate executor (the choice: `executor`)
 
     @property
     def op_count(self) -> int:

@@ -19,6 +19,7 @@ model); writes are atomic (`os.replace`), so concurrent processes never see half
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import inspect
@@ -255,6 +256,19 @@ def write_entry(key: str, entry: dict) -> None:
 
 
 # -- one graph's entry while it compiles ----------------------------------------------------------
+_changed: set = set()  # entries autotune added a choice to after they were written
+
+
+def save_changed() -> None:
+    """Writes the entries autotune's choices went into since their last write (at each jitted
+    call, which follows the backward of the call before, and at exit)."""
+    while _changed:
+        _changed.pop()._save()
+
+
+atexit.register(save_changed)
+
+
 class GraphCache:
     """The cache entry of one captured graph while the pipeline compiles it: region artifacts for
     dispatch to load and fill, and what each stage made. Status goes to the graph's record:
@@ -324,6 +338,12 @@ class GraphCache:
         self.record.seconds["cache"] += time.perf_counter() - start
         if self.wrapped:
             self._save()
+
+    def changed(self) -> None:
+        """A raced region's choice went into `artifacts`: written by `save_changed` (or with the
+        entry's first write, when that is still to come)."""
+        if self.wrapped:
+            _changed.add(self)
 
     def _miss(self, why: str) -> None:
         if self.record.cache == "hit" or self.record.cache == "miss":

@@ -115,16 +115,18 @@ class PipelineBackend:
                 check_built_in(trace, prepared, f"{executor.name}.prepare", record)
                 trace = record.add_trace(prepared)
                 rewrote.append(f"{executor.name}.prepare")
-        warm_cache = None if rewrote else cache  # a warm start loads or stores this graph's lowering
+        # A graph an executor's prepare rewrote may name this model's own state (TE's scaling handle):
+        # the stored lowering is loaded only for the very graph prepare made in this process.
         if cache is not None and rewrote:
-            record.cache_notes.append(f"no warm start: {', '.join(rewrote)} rewrote the graph (its ops may "
-                                      f"name this model's own state)")
-        if warm_cache is not None:
-            warm = self._warm_start(warm_cache, trace, example_inputs, wrapper_metadata(wrappers), record)
-            if warm is not None:
-                return post_compile_all(wrappers, warm)
+            cache.entry["prepared"] = trace.fingerprint()
+        if cache is not None and cache.stored is not None and cache.stored.get("prepared") != cache.entry.get("prepared"):
+            record.cache_notes.append(f"no warm start: {', '.join(rewrote) or 'prepare'} made another graph than "
+                                      f"the stored one (its ops name per-model state: another jit order?)")
+        elif cache is not None and (warm := self._warm_start(cache, trace, example_inputs,
+                                                             wrapper_metadata(wrappers), record)):
+            return post_compile_all(wrappers, warm)
         trace = self._run_passes("before_autodiff", trace, record)
-        recording = self._records_warm_start(warm_cache, trace, example_inputs, record)
+        recording = self._records_warm_start(cache, trace, example_inputs, record)
         stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache,
                                   serializable=recording)
         # The forward compiler is a SerializableAOTDispatchCompiler only while recording: otherwise
@@ -229,8 +231,11 @@ class PipelineBackend:
         execution = dispatch(trace, self.state.config.executors, stage=stage, graph_id=record.graph_id,
                              first_region_id=sum(len(r.regions) for r in self.state.history.records),
                              artifacts=cache.artifacts if cache is not None else None, donated=donated,
-                             on_fallback=functools.partial(report_fallback, self.state))
-        record.seconds["dispatch"] += time.perf_counter() - start
+                             on_fallback=functools.partial(report_fallback, self.state),
+                             autotune=functools.partial(_raced, record, cache) if self.state.config.autotune else None)
+        record.seconds["dispatch"] += time.perf_counter() - start - execution.autotune_seconds
+        if execution.autotune_seconds:
+            record.seconds["autotune"] += execution.autotune_seconds
         for region in execution.regions:
             record.seconds["dispatch"] -= region.compile_seconds
             where = "cache load" if region.id in execution.loaded else f"compile:{region.executor}"
@@ -257,6 +262,14 @@ class PipelineBackend:
                 out = run_pass(p, trace, record)
                 trace = trace if out is trace else record.add_trace(out)
         return trace
+
+
+def _raced(record: GraphRecord, cache: GraphCache | None, seconds: float) -> None:
+    """A raced region chose its executor at its first call (autotune): what measuring took, and
+    the cache entry, which now holds the choice, to be written again."""
+    record.seconds["autotune"] += seconds
+    if cache is not None:
+        cache.changed()
 
 
 def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:

@@ -31,6 +31,7 @@ class RegionTable(list):
                          _clip(", ".join(r.input_shapes)), _clip(", ".join(r.output_shapes))))
         # a region compiled as an earlier identical one shares its reason: say it once
         notes = [f"region {r.id}: {r.fallback_reason}" for r in self if r.fallback_reason and r.compiled_as is None]
+        notes += [_race_note(r, sum(t.compiled_as == r.id for t in self)) for r in self if r.race and r.compiled_as is None]
         twins = sum(r.compiled_as is not None for r in self)
         if twins:
             notes.append(f"{twins} of {len(self)} regions run the code compiled for an identical earlier "
@@ -65,6 +66,12 @@ def last_traces(cm) -> list[Trace]:
         raise RuntimeError("nothing compiled yet: call the jitted model first")
     latest = max(r.generation for r in records)
     return [t for rec in records if rec.generation == latest for t in rec.traces]
+
+
+def _race_note(r, twins: int) -> str:
+    """"region 3 (and 15 identical) autotuned: inductor 0.120 ms (chosen), nvfuser 0.180 ms"."""
+    times = ", ".join(f"{name} {ms:.3f} ms" + (" (chosen)" if name == r.executor else "") for name, ms in r.race.items())
+    return f"region {r.id}{f' (and {twins} identical)' if twins else ''} autotuned: {times or 'not timed'}"
 
 
 def _fallback_mark(reason) -> str:

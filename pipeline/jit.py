@@ -20,6 +20,7 @@ from transforms.model_transform import ModelTransform
 
 from . import model_state
 
+from .cache import save_changed
 from .compiler import PassError, PipelineBackend
 from .default_passes import Without, with_defaults
 from .fallbacks import MODES, PipelineFallbackError, report_fallback
@@ -43,6 +44,7 @@ class JitConfig:
     cache: bool = True                       # use the compiled-artifact cache (pipeline/cache.py)
     cuda_graphs: bool = False                # record each stage as a CUDA graph (pipeline/cuda_graphs.py)
     fallback: str = "warn"                   # "warn" | "raise": what a fallback to eager does (fallbacks.py)
+    autotune: bool = False                   # race the executors that can take a region (executors/autotune.py)
     call_hooks: tuple = ()                   # executors' before_call
 
 
@@ -69,7 +71,7 @@ class CompileState:
 
 def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transforms: Sequence = (),
         fullgraph: bool = False, dynamic: Optional[bool] = None, cache: bool = True,
-        cuda_graphs: bool = False, fallback: str = "warn"):
+        cuda_graphs: bool = False, fallback: str = "warn", autotune: bool = False):
     """Compiles `model_or_fn` (an `nn.Module` or a function).
 
     executors: executor objects from `executors` or their names, by priority; ops nobody claims run
@@ -86,6 +88,8 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         overwrites a step's outputs: keep a value across steps with `.item()` or `.clone()`. Each
         input shape compiles and records its own graphs (`dynamic` defaults to False).
     fallback: "warn" (default) or "raise": what a fallback (pipeline/fallbacks.py) does.
+    autotune: a region more than one listed executor can take whole runs on the fastest, timed at its
+        first call (executors/autotune.py); the times are in the region table.
     """
     if not callable(model_or_fn):
         raise TypeError(f"pipeline.jit needs an nn.Module or a function, got {type(model_or_fn).__name__}")
@@ -95,7 +99,7 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"fullgraph must be True or False, got {fullgraph!r}")
     if dynamic not in (None, True, False):
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
-    for name, value in (("cache", cache), ("cuda_graphs", cuda_graphs)):
+    for name, value in (("cache", cache), ("cuda_graphs", cuda_graphs), ("autotune", autotune)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     if fallback not in MODES:
@@ -109,7 +113,8 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     hooks = tuple(e.before_call for e in resolved if type(e).before_call is not Executor.before_call)
     state = CompileState(JitConfig(executors=tuple(resolved), passes=tuple(passes), owners=_owners(model_or_fn),
                                    replaced=replaced, fullgraph=fullgraph, dynamic=dynamic, cache=cache,
-                                   cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks))
+                                   cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks,
+                                   autotune=autotune))
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)
     else:
@@ -199,6 +204,8 @@ def _call(runner, state: CompileState, args, kwargs):
         _generalize_on_shape_change(history, args, kwargs)
     for hook in config.call_hooks:
         hook()
+    if config.autotune:
+        save_changed()  # the choices the last call's backward made
     if config.cuda_graphs and isinstance(runner, GradCapture):
         # a new step for the CUDA graph trees, which count Dynamo's frame entries; this path has none
         torch._dynamo.mutation_guard.GenerationTracker.generation += 1
@@ -219,6 +226,8 @@ def _call(runner, state: CompileState, args, kwargs):
     finally:
         gave_up = _give_ups.calls.pop()
     history.calls += 1
+    if config.autotune:
+        save_changed()
     compiled_nothing = not history.records and history.calls == 1
     if len(history.records) != n_records or compiled_nothing:
         history.generation += 1

@@ -126,6 +126,23 @@ def test_te_nvfuser_inductor_route_ops_by_priority():
     assert any(r.executor == "nvfuser" and "rsqrt" in r.ops for r in table)
 
 
+def test_autotune_races_nvfuser_and_inductor_on_cuda_and_trains_like_eager():
+    """autotune=True: each kind of region both can take is timed with CUDA events at its first
+    call and runs on the faster one; every such region shows both times; the step is eager's."""
+    _require("nvfuser")
+    model, eager = llama_pair(torch.bfloat16)
+    tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
+    cm = pipeline.jit(model, executors=["nvfuser", "inductor"], autotune=True)
+    torch.testing.assert_close(step(cm, tokens), step(eager, tokens), rtol=2e-2, atol=2e-2)
+    assert_grads_close(model, eager, 1e-1, 2e-2)
+    table = pipeline.regions(cm)
+    raced = [r for r in table if r.race]
+    assert {r.stage for r in raced} == {"forward", "backward"}, str(table)
+    assert all(set(r.race) == {"nvfuser", "inductor"} and r.executor in r.race for r in raced)
+    assert all(min(r.race.values()) > 0 for r in raced)
+    assert pipeline.compile_stats(cm).seconds["autotune"] > 0
+
+
 @pytest.mark.parametrize("exponent", [1, 2, 3, 0.5, -0.5, -1, 1.7])
 def test_nvfuser_pow_by_a_scalar_matches_eager(exponent):
     """Small exponents become multiplies or roots in nvFuser; values and gradients stay eager's."""

@@ -82,14 +82,19 @@ def test_symbolic_shapes_compile_without_a_warm_start(mlp):
     assert "no warm start: symbolic shapes" in notes(cm)
 
 
-def test_a_graph_an_executor_prepared_starts_without_the_stored_entry(mlp):
+def test_a_graph_an_executor_prepared_loads_only_with_the_same_bindings(mlp):
     """An executor's `prepare` may bind this model's own state into the graph (TE's fp8 scaling
-    handles): such a graph is lowered again on a hit, never loaded with another model's bindings."""
+    handle, numbered per process in jit order): the stored lowering loads only when prepare made
+    the very same graph here; with another binding it is lowered again, never loaded."""
     from executors import Executor
     from executors.torch_executor import torch_executor
+    from ir.rewrite import add_call
 
     class Preparing(Executor):
         name = "preparing"
+
+        def __init__(self, handle):
+            self.handle = handle
 
         def claims_op(self, op, node):
             return torch_executor.claims_op(op, node)
@@ -97,13 +102,24 @@ def test_a_graph_an_executor_prepared_starts_without_the_stored_entry(mlp):
         def compile_region(self, gm, example_inputs):
             return gm
 
-        def prepare(self, trace):
-            return trace.derive(trace.editable(), by="preparing.prepare"), []
+        def prepare(self, trace):  # out + 0 * handle: the handle is in the graph, the values unchanged
+            gm = trace.editable()
+            output = gm.graph.output_node()
+            out = output.args[0][0]
+            with gm.graph.inserting_before(output):
+                bound = add_call(gm.graph, torch.ops.aten.add.Tensor, (out, 0), out.meta["val"])
+                bound.kwargs = {"alpha": self.handle}
+            output.args = ((bound, *output.args[0][1:]),)
+            gm.recompile()
+            return trace.derive(gm, by="preparing.prepare"), []
     x = torch.randn(4, 16)
-    for _ in range(2):
-        cm, _, _ = compile_and_step(mlp, x, executors=[Preparing()])
-        assert "lower" in pipeline.compile_stats(cm).seconds
-        assert "no warm start: preparing.prepare rewrote the graph (its ops may name this model's own state)" in notes(cm)
+    runs = []
+    for handle in (0, 1, 1):
+        cm, out, _ = compile_and_step(mlp, x, executors=[Preparing(handle)])
+        runs.append(("lower" in pipeline.compile_stats(cm).seconds, notes(cm)))
+        torch.testing.assert_close(out, mlp(x), rtol=0, atol=0)
+    assert runs[0][0] and runs[1][0] and not runs[2][0], runs
+    assert any("no warm start: preparing.prepare made another graph than the stored one" in n for n in runs[1][1])
 
 
 class _Entry:
@@ -172,3 +188,20 @@ def test_stored_stage_keeps_every_value_and_which_values_share_memory(mlp):
         same_loaded = [[StorageWeakRef(p.untyped_storage()) == StorageWeakRef(q.untyped_storage()) for _, p in tensors]
                        for _, q in tensors]
         assert same == same_loaded and any(sum(row) > 1 for row in same)
+
+
+def test_te_and_nvfuser_regions_are_cached_and_a_warm_start_loads_them(te_on_cpu, nvfuser_claims_on_cpu):
+    """Nothing of theirs is compiled to store (TE calls its kernels; nvfuser_direct cannot serialize
+    a fusion): their regions are rebuilt from the graph, so a second process starts warm — no
+    lowering, every region loaded — instead of missing on them."""
+    from models import Llama, LlamaConfig
+    config = LlamaConfig(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, hidden=64, max_seq=16)
+    torch.manual_seed(0)
+    model, x = Llama(config), torch.randint(0, 64, (2, 8))
+    listed = [te_on_cpu, nvfuser_claims_on_cpu, "torch"]
+    compile_and_step(model, x, executors=listed)
+    warm, *_ = compile_and_step(model, x, executors=listed)
+    stats = pipeline.compile_stats(warm)
+    assert stats.cache == {"g0": "hit"} and "lower" not in stats.seconds, notes(warm)
+    assert not any(k.startswith("compile:") for k in stats.seconds), stats.seconds
+    assert {"te", "nvfuser"} <= {r.executor for r in pipeline.regions(warm)}

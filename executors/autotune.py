@@ -1,0 +1,124 @@
+"""Executors chosen by measured time (`pipeline.jit(..., autotune=True)`).
+
+A region that two or more listed executors can take whole is compiled by each (`Race`); at its
+first call every candidate runs on that call's inputs — a warm-up, then the median of a few timed
+runs (CUDA events on a GPU, wall time on the CPU) — and the fastest runs the region from then on.
+A candidate listed earlier wins when within noise of the fastest: `NOISE` of its time, or
+the runs' own spread (twice the sum of both median absolute deviations), whichever is larger. Identical regions share one
+race, so each kind of region is measured once. The times go into `Region.race` (the region table
+shows them) and the choice into the compiled-artifact cache, so a warm start does not measure again.
+
+Measuring must not change what the step computes: inputs a candidate may overwrite (donated saved
+activations) are copied for each timed run, the RNG state is restored afterwards, and a region that
+writes into its inputs is not raced (a second run would write again).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from ir import Region
+from ir.torch_ops import writes_into
+
+from .base import Executor
+from .graph_utils import donated_inputs
+
+NOISE = 0.05  # a listed-earlier candidate within 5% of the fastest is kept: timing noise, not a win
+WARMUP, RUNS = 1, 5
+
+
+def why_not_raced(gm: fx.GraphModule) -> Optional[str]:
+    """None when running the region more than once at its first call changes nothing."""
+    written = [n.name for n in gm.graph.nodes if writes_into(n)]
+    return f"it writes into its inputs ({', '.join(written[:3])})" if written else None
+
+
+class Race:
+    """One kind of region's candidates, compiled, until its first call picks one. `decided(name,
+    times, seconds)` is told the choice, the median milliseconds of each candidate and what
+    measuring took."""
+
+    def __init__(self, candidates: Sequence[tuple[Executor, Callable]], region: Region, gm: fx.GraphModule,
+                 decided: Callable[[str, dict, float], None]):
+        self.candidates = dict((ex.name, fn) for ex, fn in candidates)
+        self.regions = [region]  # the first region and its identical twins: all take the choice
+        self.donated = donated_inputs(gm)
+        self.decided = decided
+        self.chosen: Optional[Callable] = None
+
+    def __call__(self, *args):
+        if self.chosen is None:
+            self._choose(list(args))
+        return self.chosen(*args)
+
+    def boxed(self, args: list):
+        if self.chosen is None:
+            self._choose(args)
+        run = getattr(self.chosen, "boxed", None)
+        if run is not None:
+            return run(args)
+        held = tuple(args)
+        args.clear()
+        return self.chosen(*held)
+
+    def _choose(self, args: list) -> None:
+        start = time.perf_counter()
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            times = {}  # never measured inside a CUDA-graph capture: the first listed runs
+        else:
+            devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+            with torch.random.fork_rng(devices=devices):
+                times, spread, failed = {}, {}, []
+                for name, fn in self.candidates.items():
+                    try:
+                        times[name], spread[name] = _median_ms(fn, args, self.donated, bool(devices))
+                    except Exception as e:  # a candidate that cannot run these inputs is not chosen
+                        failed.append(f"{name} failed when timed: {type(e).__name__}: {str(e).strip()[:200]}")
+            if not times:
+                raise RuntimeError(f"region {self.regions[0].id}: autotune: {'; '.join(failed)}")
+            for r in self.regions:
+                r.fallback_reason = "; ".join(filter(None, [r.fallback_reason, *failed])) or None
+        best = min(times, key=times.get, default=None)
+        name = next((n for n, ms in times.items()
+                     if ms - times[best] <= max(NOISE * times[best], 2 * (spread[n] + spread[best]))),
+                    next(iter(self.candidates)))
+        self.chosen = self.candidates[name]
+        self.candidates = {name: self.chosen}  # the others' compiled code is not kept
+        for r in self.regions:
+            r.executor, r.race = name, times
+        self.decided(name, times, time.perf_counter() - start)
+
+
+def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool) -> tuple[float, float]:
+    """The median milliseconds of `fn` on `args` and their median absolute deviation; each run on
+    its own copy of the donated inputs."""
+    def run_once() -> tuple[Callable, list]:
+        fresh = list(args)
+        for i in donated:
+            fresh[i] = fresh[i].clone()
+        run = getattr(fn, "boxed", None)
+        return (run, fresh) if run is not None else (lambda a: fn(*a), fresh)
+
+    for _ in range(WARMUP):
+        run, a = run_once()
+        run(a)
+    times = []
+    for _ in range(RUNS):
+        run, a = run_once()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            run(a)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run(a)
+            times.append((time.perf_counter() - t0) * 1e3)
+    median = statistics.median(times)
+    return median, statistics.median(abs(t - median) for t in times)
