@@ -11,18 +11,18 @@ import copy
 import functools
 import hashlib
 import os
+import pathlib
 import pickle
 import shutil
 import stat
 import sys
-import tempfile
 import types
 from typing import Sequence
 
 import torch
 import torch.fx as fx
 
-from .artifact_files import artifact_files_dir
+from .artifact_files import artifact_files_dir, write_file
 from .base import Cacheable, PerModel, PreparesGraph, RegionDeclined
 from .graph_utils import (computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,
                           meta_strides_unreliable, op_name, promised_strides)
@@ -126,7 +126,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         stored.prepare_for_serialization()
         with _kernel_dir(_own_dir()):
             root = cache_dir()
-            files = {os.path.relpath(p, root): _read(p) for p in _kernel_libraries(fn.compiled)
+            files = {os.path.relpath(p, root): pathlib.Path(p).read_bytes() for p in _kernel_libraries(fn.compiled)
                      if os.path.abspath(p).startswith(root + os.sep)}
         return pickle.dumps({"graph": pickle.dumps(stored), "files": files})
 
@@ -182,7 +182,7 @@ class InductorRegion:
 @contextlib.contextmanager
 def _donating(gm: fx.GraphModule, donated: list[int]):
     """Lets Inductor reuse the memory of the region's donated inputs (saved activations this
-    region reads last, see `plan.mark_donated_inputs`) for its own buffers, as it does for
+    region reads last, see `donation.mark_donated_inputs`) for its own buffers, as it does for
     torch.compile's backward: it reads the indices from the tracing context's `fw_metadata`.
     The donated placeholders are renamed, so the graph differs from an identical region's without
     donation (or with other inputs donated) for Inductor's FX graph cache too."""
@@ -237,11 +237,6 @@ def _isa_probe_libraries() -> set[str]:
         return set()
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def _own_dir() -> str | None:
     """The pipeline cache's directory for Inductor's files, or None (cache off, or unusable: then
     Inductor compiles into its own cache dir, as under torch.compile)."""
@@ -284,16 +279,7 @@ def _put_verified(root: str, rel: str, content: bytes) -> None:
     except OSError:
         pass
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-        os.chmod(tmp, 0o700 if path.endswith(".so") else 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_file(path, content, 0o700 if path.endswith(".so") else 0o600)
 
 
 @functools.lru_cache(maxsize=8)
@@ -303,12 +289,7 @@ def _portable_config_hash(config_hash: bytes) -> str:
     decided lazily on first use; cutlass dirs, relative to the working dir; the worker start
     method), which `config.get_hash()` includes. Memoized on that hash, which changes with any option."""
     from torch._inductor import config
-    try:
-        values = config.save_config_portable(ignore_private_configs=False)
-    except (AttributeError, TypeError):  # a torch without it
-        values = config.get_config_copy()
-        for prefix in getattr(config, "_cache_config_ignore_prefix", ()):
-            values = {k: v for k, v in values.items() if not k.startswith(prefix)}
+    values = config.save_config_portable(ignore_private_configs=False)
     text = "\n".join(f"{k}={_stable_text(v)}" for k, v in sorted(values.items()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 

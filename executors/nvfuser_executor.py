@@ -46,7 +46,7 @@ class NvFuserExecutor(Cacheable):
         return all(t.device.type == self.device and t.dtype not in NO_NVFUSER_DTYPES
                    for t in tensors if isinstance(t, torch.Tensor))
 
-    # nvfuser_direct cannot serialize a compiled fusion (research notes: docs/executors.md): a cached
+    # nvfuser_direct cannot serialize a compiled fusion (docs/cache.md says why): a cached
     # region is rebuilt from its graph, which skips none of nvFuser's own compile, only ours.
     def cache_token(self) -> str:
         return f"nvfuser {library_version('nvfuser_direct')} device={self.device}"

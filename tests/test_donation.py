@@ -13,7 +13,7 @@ import pipeline
 from executors.base import Executor
 from executors.graph_utils import donated_inputs
 from executors.inductor_executor import inductor_executor
-from executors.plan import mark_donated_inputs
+from executors.donation import mark_donated_inputs
 from helpers import assert_step_matches_eager
 from models import LanguageModelLoss, Llama, LlamaConfig
 

@@ -1,0 +1,60 @@
+"""Donation: which of a region's inputs it may overwrite or free (AOTAutograd's donated buffers —
+saved activations nothing reads after the backward — that this region reads last)."""
+from __future__ import annotations
+
+import operator
+from typing import Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from ir import node_value
+
+
+def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int], may_alias: set[str] = frozenset()) -> None:
+    """Sets `meta["donated"]` on a region's placeholder when the stage input it receives is donated,
+    this region is the last to read it or any tensor sharing its memory, and no other input of this
+    region shares that memory (docs/executors.md, `inductor`). Memory is told apart by the fake
+    values' storages; outputs of regions run by executors in `may_alias` (whose kernels may return an
+    input where the trace has a copy) count as sharing the memory of all of that region's tensor inputs."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    candidates = {inputs[i] for i in donated if i < len(inputs)}
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    memory: dict[fx.Node, set] = {}  # node -> the storages its tensor may live in
+    for node in gm.graph.nodes:
+        own = _storage_of(node)
+        memory[node] = {own} if own is not None else set()
+        if node.op == "call_function" and node.target is operator.getitem:
+            region = node.args[0]
+            if region.op == "call_module" and region.meta.get("executor") in may_alias:
+                for a in region.args:
+                    memory[node] |= memory.get(a, set()) if isinstance(a, fx.Node) else set()
+    last_read: dict = {}  # storage -> position of the last node reading a tensor in it
+    for node, storages in memory.items():
+        if node.users:
+            for storage in storages:
+                last_read[storage] = max(last_read.get(storage, -1), max(order[u] for u in node.users))
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        placeholders = [n for n in gm.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
+        for arg, placeholder in zip(node.args, placeholders):
+            if arg not in candidates or not memory[arg]:
+                continue
+            (storage,) = memory[arg]  # a stage input lives in its own memory
+            shared = any(storage in memory.get(other, ()) for other in node.args
+                         if other is not arg and isinstance(other, fx.Node))
+            if last_read[storage] == order[node] and not shared:
+                placeholder.meta["donated"] = True
+
+
+def _storage_of(node) -> Optional[object]:
+    """An identity of the memory behind a node's tensor value (views share their base's), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    value = node_value(node) if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except Exception:  # a tensor without storage (a subclass, say): not donated
+        return None
