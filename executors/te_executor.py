@@ -35,7 +35,8 @@ from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, r
 # -- the custom ops ----------------------------------------------------------------------------------
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8: bool,
               scaling: int, index: int) -> list[torch.Tensor]:
-    """[y] in bf16 mode; [y, x^T fp8, x scale_inv, W^T fp8, W scale_inv] in fp8 mode.
+    """[y] in bf16 mode; [y, x scale_inv, W scale_inv] in fp8 mode (the backward casts x and W
+    again with these scales, in the graph: `_transposed_fp8`).
 
     `scaling`: -1 for current scaling, else the handle of a `DelayedScalingState`, whose linear
     `index` this is."""
@@ -54,7 +55,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if state is not None:
         state.recorded_forward(index, x2, weight)
     y = general_gemm(wq, xq, out_dtype=x.dtype, layout="TN", bias=bias, use_split_accumulator=False)[0]
-    return [y.view(shape), xq._transpose, xq._scale_inv, wq._transpose, wq._scale_inv]
+    return [y.view(shape), xq._scale_inv.clone(), wq._scale_inv.clone()]
 
 
 te_linear = torch.library.custom_op("pipeline_te::linear", mutates_args=())(_linear)
@@ -65,13 +66,11 @@ def _linear_fake(x, weight, bias, fp8, scaling, index):
     y = x.new_empty(*x.shape[:-1], weight.shape[0])
     if not fp8:
         return [y]
-    m, k, n = x.numel() // x.shape[-1], x.shape[-1], weight.shape[0]
-    u8, f32 = dict(dtype=torch.uint8, device=x.device), dict(dtype=torch.float32, device=x.device)
-    return [y, torch.empty(k, m, **u8), torch.empty(1, **f32), torch.empty(k, n, **u8), torch.empty(1, **f32)]
+    return [y, x.new_empty(1, dtype=torch.float32), x.new_empty(1, dtype=torch.float32)]
 
 
 def _fp8_saved_values(x, weight, fp8: bool) -> list:
-    """The fake values `pipeline_te::linear` returns beside y (the fp8 casts it saves)."""
+    """The fake values `pipeline_te::linear` returns beside y (the scales of its fp8 casts)."""
     if not fp8:
         return []
     import contextlib
@@ -130,11 +129,25 @@ def _(dy, saved, has_bias, fp8, scaling, index):
 def _setup_context(ctx, inputs, output):
     x, weight, bias, fp8, scaling, index = inputs
     ctx.fp8, ctx.has_bias, ctx.scaling, ctx.index = fp8, bias is not None, scaling, index
-    ctx.save_for_backward(*(output[1:] if fp8 else (x, weight)))
+    ctx.save_for_backward(x, weight, *output[1:])
+
+
+def _transposed_fp8(t: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """t [m, k] cast to E4M3 with the forward's scale, transposed [k, m], as bytes: in plain torch ops,
+    so that the partitioner can recompute t in the backward (an RMSNorm output from the residual kept
+    anyway) and Inductor fuses the cast into it, instead of keeping t or its fp8 copy from forward to
+    backward (what torchao's float8 does too)."""
+    e4m3 = torch.float8_e4m3fn
+    limit = torch.finfo(e4m3).max
+    return (t.float() / scale_inv).clamp(-limit, limit).to(e4m3).view(torch.uint8).t().contiguous()
 
 
 def _backward(ctx, grads):
-    grads = torch.ops.pipeline_te.linear_backward(grads[0], list(ctx.saved_tensors), ctx.has_bias, ctx.fp8,
+    saved = list(ctx.saved_tensors)
+    if ctx.fp8:
+        x, weight, x_si, w_si = saved
+        saved = [_transposed_fp8(x.reshape(-1, x.shape[-1]), x_si), x_si, _transposed_fp8(weight, w_si), w_si]
+    grads = torch.ops.pipeline_te.linear_backward(grads[0], saved, ctx.has_bias, ctx.fp8,
                                                   ctx.scaling, ctx.index)
     return grads[0], grads[1], (grads[2] if ctx.has_bias else None), None, None, None
 

@@ -182,6 +182,24 @@ def test_te_fp8_trains_close_to_bf16_and_reports_the_fp8_share(grouped):
     assert pipeline.regions(cm).fp8_gemm_flop_share() == 1.0
 
 
+def test_te_fp8_keeps_no_fp8_copies_for_the_backward():
+    """The fp8 linear saves its bf16 x and W (kept or recomputed for other ops anyway) and casts them
+    again in the backward, as torchao's float8 does: no fp8 transposes held from forward to backward."""
+    _require("te")
+    import executors
+    model, _ = llama_pair(torch.bfloat16)
+    tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
+    cm = pipeline.jit(model, executors=[executors.te.fp8(), "inductor"])
+    step(cm, tokens)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = cm(tokens).float().square().mean()
+    loss.backward()
+    assert saved and not [t for t in saved if t.dtype in (torch.uint8, torch.float8_e4m3fn)], \
+        [(t.dtype, tuple(t.shape)) for t in saved if t.dtype == torch.uint8]
+    assert pipeline.regions(cm).fp8_gemm_flop_share() == 1.0
+
+
 def test_te_fp8_leaves_shapes_it_cannot_take_with_the_reason():
     _require("te")
     torch.manual_seed(0)
