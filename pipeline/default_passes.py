@@ -15,15 +15,15 @@ import dataclasses
 from ir import Trace
 from transforms import TracePass, causal_attention, grouped_kv_attention
 
-from .save_policy import recompute_upcasts
+from .save_policy import recompute_fp8_casts, recompute_upcasts
 
 
 def save_policy(trace: Trace) -> Trace:
-    """On the joint graph: no fp32 value computed from one upcast half-precision value is saved for
-    the backward (`save_policy.py`); the trace itself when nothing is tagged."""
+    """On the joint graph: no fp32 value computed from one upcast half-precision value, and no fp8
+    cast, is saved for the backward (`save_policy.py`); the trace itself when nothing is tagged."""
     gm = trace.editable()
     forward_outputs = sum(spec.kind == "forward_output" for spec in trace.outputs)
-    if recompute_upcasts(gm, forward_outputs) == 0:
+    if recompute_upcasts(gm, forward_outputs) + recompute_fp8_casts(gm, forward_outputs) == 0:
         return trace
     gm.recompile()
     return trace.derive(gm, by="save_policy")

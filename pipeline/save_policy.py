@@ -10,6 +10,12 @@ a list (Transformer Engine's) adds a `getitem`, and the fp32 one was saved.
 This rule (`recompute_upcasts`) tags every forward value that is a full-size fp32 function of one
 upcast half-precision value for recomputation, on the joint graph; the partitioner then saves the
 half-precision value or something smaller (a reduction) instead.
+
+A second rule (`recompute_fp8_casts`) tags fp8 casts made in the graph (and their byte views and
+transposes) the same way: a cast the backward reads (TE's linear casts its x and W again there) is
+then made in the backward from what the forward keeps anyway, never kept from forward to backward.
+Without it the partitioner prefers keeping the fp8 copy of a weight, half the bytes of the weight it
+is cast from, though the weight itself is kept for free (it is a parameter).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ aten, prims = torch.ops.aten, torch.ops.prims
 _HALF = (torch.bfloat16, torch.float16)
 _UPCASTS = (aten._to_copy.default, prims.convert_element_type.default)
 _COPIES = (aten.clone.default, aten._unsafe_view.default)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
@@ -56,6 +63,28 @@ def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
             if upcast is not None:
                 root[node] = upcast
     tagged = [n for n in root if n not in returned]
+    for node in tagged:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return len(tagged)
+
+
+def recompute_fp8_casts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Tags each fp8 value computed in the graph, and the byte views, transposes and copies made of
+    one, for recomputation; returns how many were tagged. Left alone as in `recompute_upcasts`: the
+    forward's outputs, values already tagged, graphs with `torch.utils.checkpoint` regions."""
+    if any("ac_graph_id" in n.meta for n in joint.graph.nodes):
+        return 0
+    output = joint.graph.output_node()
+    returned = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
+    derived = set()
+    for node in joint.graph.nodes:
+        value = node_value(node)
+        if node.op != "call_function" or "recompute" in node.meta or not isinstance(value, torch.Tensor):
+            continue
+        layout = isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _COPIES)
+        if value.dtype in _FP8 or (layout and any(a in derived for a in node.all_input_nodes)):
+            derived.add(node)
+    tagged = [n for n in derived if n not in returned]
     for node in tagged:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return len(tagged)

@@ -143,3 +143,88 @@ def test_a_buffer_updated_from_an_upcast_value_trains_like_eager():
     eager(x).backward()
     torch.testing.assert_close(model.w.grad, eager.w.grad, rtol=0, atol=0)
     torch.testing.assert_close(model.ema, eager.ema, rtol=0, atol=0)
+
+
+
+# A linear shaped as TE's fp8 one (`executors/te_executor.py`), on the CPU: an opaque forward returning
+# y and its casts' scales; the backward casts x and W to fp8 again in plain torch ops
+# (`_transposed_fp8`) and hands the bytes to an opaque backward op.
+@torch.library.custom_op("test_fp8::linear", mutates_args=())
+def _fp8_linear(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    scales = [(t.abs().amax().float() / 448).reshape(1) for t in (x, w)]
+    return [x @ w.t(), *scales]
+
+
+@_fp8_linear.register_fake
+def _(x, w):
+    return [x.new_empty(x.shape[0], w.shape[0]), x.new_empty(1, dtype=torch.float32),
+            x.new_empty(1, dtype=torch.float32)]
+
+
+@torch.library.custom_op("test_fp8::linear_backward", mutates_args=())
+def _fp8_linear_backward(dy: torch.Tensor, x_t: torch.Tensor, x_si: torch.Tensor, w_t: torch.Tensor,
+                         w_si: torch.Tensor) -> list[torch.Tensor]:
+    x, w = (t.t().view(torch.float8_e4m3fn).float() * si for t, si in ((x_t, x_si), (w_t, w_si)))
+    return [(dy.float() @ w).to(dy.dtype), (dy.float().t() @ x).to(dy.dtype)]
+
+
+@_fp8_linear_backward.register_fake
+def _(dy, x_t, x_si, w_t, w_si):
+    return [dy.new_empty(dy.shape[0], w_t.shape[0]), dy.new_empty(dy.shape[1], x_t.shape[0])]
+
+
+def _fp8_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output[1:])
+
+
+def _fp8_backward(ctx, grads):
+    from executors.te_executor import _transposed_fp8
+    x, w, x_si, w_si = ctx.saved_tensors
+    return tuple(torch.ops.test_fp8.linear_backward(grads[0], _transposed_fp8(x, x_si), x_si,
+                                                    _transposed_fp8(w, w_si), w_si))
+
+
+_fp8_linear.register_autograd(_fp8_backward, setup_context=_fp8_setup)
+
+
+def test_fp8_casts_are_made_in_the_backward_not_saved():
+    """A weight's fp8 cast is half the bytes of the weight, which the backward has for free (a
+    parameter): unless tagged (`recompute_fp8_casts`) the partitioner kept the cast from the forward.
+    Nothing fp8 is saved, nor the normalized x (recomputed from the input), and the step matches eager."""
+    torch.manual_seed(0)
+    norm, w = torch.nn.RMSNorm(32).bfloat16(), torch.nn.Parameter(torch.randn(48, 32, dtype=torch.bfloat16))
+
+    def f(x):
+        y = torch.ops.test_fp8.linear(norm(x), w)[0]
+        return torch.nn.functional.silu(y).float().square().mean()
+
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    cm = pipeline.jit(f, executors=["torch"])
+    cm(x).backward()
+    grads = [p.grad.clone() for p in (w, norm.weight)]
+    w.grad = norm.weight.grad = None
+    f(x).backward()
+    torch.testing.assert_close(grads, [w.grad, norm.weight.grad])
+    forward = [t for t in pipeline.last_traces(cm) if t.name.endswith("_forward")][0]
+    computed = [o.meta["val"] for o in forward.output_node().args[0][1:] if o.op != "placeholder"]
+    assert computed and not [t for t in computed if t.dtype in (torch.uint8, torch.float8_e4m3fn)
+                             or tuple(t.shape) == (64, 32)], [(t.dtype, tuple(t.shape)) for t in computed]
+
+
+def test_fp8_casts_and_their_byte_views_are_tagged_for_recomputation():
+    """The rule on a joint graph: the fp8 cast, its byte view, transpose and contiguous copy are
+    tagged; not the fp32 values before it, nor an fp8 value the forward returns."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from pipeline.save_policy import recompute_fp8_casts
+
+    def f(x, scale_inv):
+        bytes_t = (x.float() / scale_inv).to(torch.float8_e4m3fn).view(torch.uint8).t().contiguous()
+        returned = x.to(torch.float8_e5m2)
+        return bytes_t.sum(), returned
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(4, 8, dtype=torch.bfloat16), torch.ones(1))
+    count = recompute_fp8_casts(gm, num_fwd_outputs=2)
+    tagged = {n.name for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
+    assert count == len(tagged) and {"_to_copy_1", "view", "t", "clone"} <= tagged, gm.code
+    assert not tagged & {"_to_copy", "div", "_to_copy_2", "sum_1"}, gm.code  # fp32 ones; the returned one
