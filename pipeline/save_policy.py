@@ -41,10 +41,6 @@ def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     the half-precision source. Left alone: the forward's outputs (the user's results, buffers the
     forward updates), values already tagged, random ops, and graphs with `torch.utils.checkpoint`
     regions (their boundaries are the user's choice)."""
-    if any("ac_graph_id" in n.meta for n in joint.graph.nodes):
-        return 0
-    output = joint.graph.output_node()
-    returned = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
     forward = output_ancestors(joint, num_fwd_outputs)
     root: dict[fx.Node, fx.Node] = {}  # derived node -> the upcast it is a full-size function of
     for node in joint.graph.nodes:
@@ -62,20 +58,13 @@ def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
             upcast = _single_root(node, value, root)
             if upcast is not None:
                 root[node] = upcast
-    tagged = [n for n in root if n not in returned]
-    for node in tagged:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    return len(tagged)
+    return _tag(joint, num_fwd_outputs, root)
 
 
 def recompute_fp8_casts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Tags each fp8 value computed in the graph, and the byte views, transposes and copies made of
     one, for recomputation; returns how many were tagged. Left alone as in `recompute_upcasts`: the
     forward's outputs, values already tagged, graphs with `torch.utils.checkpoint` regions."""
-    if any("ac_graph_id" in n.meta for n in joint.graph.nodes):
-        return 0
-    output = joint.graph.output_node()
-    returned = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
     derived = set()
     for node in joint.graph.nodes:
         value = node_value(node)
@@ -84,7 +73,17 @@ def recompute_fp8_casts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
         layout = isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _COPIES)
         if value.dtype in _FP8 or (layout and any(a in derived for a in node.all_input_nodes)):
             derived.add(node)
-    tagged = [n for n in derived if n not in returned]
+    return _tag(joint, num_fwd_outputs, derived)
+
+
+def _tag(joint: fx.GraphModule, num_fwd_outputs: int, nodes) -> int:
+    """Tags `nodes` but the forward's outputs for recomputation, unless the graph has
+    `torch.utils.checkpoint` regions (their boundaries are the user's choice); how many it tagged."""
+    if any("ac_graph_id" in n.meta for n in joint.graph.nodes):
+        return 0
+    output = joint.graph.output_node()
+    returned = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
+    tagged = [n for n in nodes if n not in returned]
     for node in tagged:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return len(tagged)
