@@ -14,6 +14,9 @@ $(READY): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test]"
+	@command -v dot >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(apt-get update -qq && apt-get install -y -qq graphviz) >/dev/null 2>&1; } || \
+		echo "Graphviz's dot is missing (apt-get install graphviz): pipeline.draw writes .dot only; its SVG tests skip"
 	touch $(READY)
 
 demo: $(READY)

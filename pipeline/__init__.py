@@ -14,6 +14,12 @@ from ir import PipelineFallbackWarning, PipelineWarning
 from .jit import GraphBreakError, JittedFunction, JittedModule, jit
 from .profile import profile
 
-__all__ = ["jit", "default_passes", "without", "profile", "save", "load", "load_full", "regions", "last_traces", "compile_stats", "explain", "GraphBreakError", "PassError",
+
+def draw(cm, path, **options):
+    """A picture of cm's regions by executor, to .svg, .dot or .html: `viz.draw.draw`, imported on use."""
+    from viz.draw import draw as draw_regions
+    return draw_regions(cm, path, **options)
+
+__all__ = ["jit", "default_passes", "without", "profile", "draw", "save", "load", "load_full", "regions", "last_traces", "compile_stats", "explain", "GraphBreakError", "PassError",
            "PipelineFallbackError", "PipelineFallbackWarning", "PipelineWarning",
            "JittedModule", "JittedFunction", "RegionTable", "CompileStats", "Explanation"]
