@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 
 _artifact_files_root: list[str] = []  # set by the pipeline's cache once it has checked its root
 
@@ -28,3 +29,17 @@ def artifact_files_dir(name: str) -> str | None:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise PermissionError(f"{path} is not a directory only you can write; remove it")
     return path
+
+
+def write_file(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Writes `path` (with `mode`) atomically: a temporary file in the same folder, then `os.replace`."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

@@ -1,13 +1,6 @@
-"""The `Executor` protocol: what an executor claims and how it compiles a region.
-
-An executor is mostly a table: which ops it claims (`claims_table`, a `ClaimTable`, or its own
-`claims_op`), plus `compile_region`, which turns a region's ATen graph into a callable. `kind` is
-"fusion" (takes whole regions of contiguous claimed ops) or "operator" (takes single ops).
-
-Everything else is optional and grouped by capability (`Cacheable`, `PerModel`, `PreparesGraph`,
-below); an executor opts into one by subclassing it (`class MyFuser(Cacheable, Executor)`) and
-overriding its hooks. `Executor` documents each hook and keeps a neutral default for it, so an
-executor overriding them directly works the same.
+"""The `Executor` protocol: what an executor claims (`claims_table` or `claims_op`) and how it compiles a
+region (`compile_region`); the optional hooks, grouped by capability (`Cacheable`, `PerModel`,
+`PreparesGraph`), keep neutral defaults in `Executor`. The guide: docs/executors.md, "Writing an executor".
 """
 from __future__ import annotations
 
@@ -51,12 +44,8 @@ class Executor:
     name: str = "executor"
     kind: str = "fusion"  # "fusion" | "operator"
     claims_table: Optional[ClaimTable] = None  # read by the default `claims_op`
-    # True when compiled regions may return one of their inputs where the trace has a fresh tensor
-    # (a clone compiled to an alias): donation then treats their outputs as sharing inputs' memory.
-    outputs_may_alias_inputs: bool = False
-    # False when the executor's kernels cannot be recorded in a CUDA graph (host syncs, allocations
-    # kept across calls): stages with its regions then run without CUDA graphs.
-    cuda_graphs_safe: bool = True
+    outputs_may_alias_inputs: bool = False  # regions may return an input where the trace has a copy
+    cuda_graphs_safe: bool = True  # False: its kernels cannot be recorded in a CUDA graph (host syncs)
 
     def unavailable_reason(self) -> str | None:
         """None when the executor can run here; otherwise why not (what is missing, how to get it)."""
@@ -67,8 +56,7 @@ class Executor:
         return Availability(self.unavailable_reason())
 
     def claims_op(self, op, node: fx.Node) -> bool:
-        """Whether this executor runs `op` (an OpOverload or a Python callable) for `node` as it
-        stands. By default: what `claims_table` says."""
+        """Whether this executor runs `op` for `node` as it stands; by default what `claims_table` says."""
         if self.claims_table is None:
             raise NotImplementedError(f"executor {self.name!r}: set claims_table or override claims_op")
         return self.claims_table.claims(op, node)
@@ -78,27 +66,21 @@ class Executor:
         return node.op == "call_function" and self.claims_op(node.target, node)
 
     def library_ops(self) -> set:
-        """Ops this executor runs as calls into library kernels (cuBLAS, cuDNN) rather than fusing
-        them: the borders of the fusible islands it shares with other fusion executors."""
+        """Ops it runs as library kernels (cuBLAS, cuDNN), not fused: the borders of fusible islands."""
         return set()
 
     def flops(self, node: fx.Node) -> tuple[int, bool] | None:
-        """(matmul FLOPs of `node`, whether they run in fp8) for ops of this executor's own whose
-        arguments only it knows (TE's custom ops); None for any other op (the core counts aten's)."""
+        """(matmul FLOPs, whether in fp8) of its own ops (TE's custom ops); None for others (aten's are counted)."""
         return None
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence) -> RegionFn:
-        """Compiles a region (an ATen graph returning a tuple) into `fn(*args) -> tuple`.
-
-        `example_inputs` are fake tensors (and SymInts) with the inputs' metadata. Raise to decline:
-        the dispatcher then gives the region to the next executor and records the message.
-        """
+        """Compiles a region (an ATen graph returning a tuple) into `fn(*args) -> tuple`; `example_inputs`
+        are fake tensors (and SymInts). Raise to decline: the region goes to the next executor."""
         raise NotImplementedError
 
     # -- the capabilities' hooks, with their neutral defaults: `Cacheable` --------------------------
     def cache_token(self) -> str:
-        """What, besides a region's graph, its compiled code depends on (options, library versions).
-        Part of every cache key; override when an executor has options."""
+        """What, besides a region's graph, its compiled code depends on (options, library versions)."""
         return f"{type(self).__module__}.{type(self).__qualname__}"
 
     def artifact_unsupported_reason(self, gm: fx.GraphModule, example_inputs: Sequence) -> str | None:
@@ -110,16 +92,13 @@ class Executor:
         raise NotImplementedError
 
     def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence) -> RegionFn:
-        """The compiled region from `save_region`'s bytes; `gm` and `example_inputs` as in
-        `compile_region`. Raise when the bytes do not fit: the region is compiled instead. The bytes
-        were authenticated as this user's; files they need on disk go under
-        `executors.artifact_files.artifact_files_dir`."""
+        """The compiled region from `save_region`'s (authenticated) bytes; raise when they do not fit:
+        the region is compiled instead. Files they need on disk go under `artifact_files_dir`."""
         raise NotImplementedError
 
     # -- `PerModel` -------------------------------------------------------------------------------
     def for_model(self) -> "Executor":
-        """The instance one jitted model uses: executors keeping per-model state return a fresh copy;
-        stateless ones return themselves."""
+        """The instance one jitted model uses: a fresh copy for executors keeping per-model state."""
         return self
 
     def before_call(self) -> None:
@@ -136,9 +115,8 @@ class Executor:
 
     # -- `PreparesGraph` --------------------------------------------------------------------------
     def passes_before_prepare(self) -> tuple[str, ...]:
-        """Names of built-in passes (`transforms.<name>`) the pipeline runs on the captured trace just
-        before `prepare` (TE's `group_linears`): an executor needing a rewrite contributes it by name
-        instead of importing `transforms`."""
+        """Names of built-in passes (`transforms.<name>`) run on the captured trace just before `prepare`
+        (TE's `group_linears`): executors do not import `transforms`."""
         return ()
 
     def prepare(self, trace):
@@ -147,9 +125,8 @@ class Executor:
         return trace, []
 
     def decompositions_before_partition(self) -> dict:
-        """Decompositions (op -> fn) to apply while AOTAutograd traces the joint graph, for ops this
-        executor would decompose anyway: the min-cut partitioner then sees their parts and can
-        recompute a cheap one in the backward instead of saving a large output."""
+        """Decompositions (op -> fn) for AOTAutograd to apply to the joint graph, of ops this executor
+        would decompose anyway, so the partitioner can recompute cheap parts instead of saving them."""
         return {}
 
     def __repr__(self) -> str:
@@ -157,21 +134,18 @@ class Executor:
 
 
 class Cacheable(Executor):
-    """An executor whose compiled regions the artifact cache can store and rebuild in another process:
-    it implements `save_region` and `load_region`, and puts its options into `cache_token`."""
+    """An executor whose compiled regions the artifact cache stores (`save_region`, `load_region`)."""
 
     def artifact_unsupported_reason(self, gm: fx.GraphModule, example_inputs: Sequence) -> str | None:
         return None
 
 
 class PerModel(Executor):
-    """An executor with hooks around one jitted model: its own instance (`for_model`: TE's fp8 scaling
-    history), a hook at the start of each call (`before_call`), and entries in the model's state dict."""
+    """An executor with state per jitted model (`for_model`, `before_call`, `extra_state`: TE's fp8 scaling)."""
 
 
 class PreparesGraph(Executor):
-    """An executor that sees the captured graph before autodiff (`passes_before_prepare`, `prepare`),
-    or the joint graph's tracing (`decompositions_before_partition`)."""
+    """An executor that sees the captured graph (`prepare`) or the joint graph's tracing (decompositions)."""
 
 
 def library_version(module: str) -> str:

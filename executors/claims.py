@@ -1,8 +1,5 @@
-"""`ClaimTable`: which ops an executor claims, as a table `{op: checker | None}`.
-
-An executor fills its table with `register` (JAX's rule tables, Thunder's `op -> checker`) and sets
-it as its `claims_table`, which the default `Executor.claims_op` reads (docs/executors.md, "Writing an
-executor").
+"""`ClaimTable`: which ops an executor claims, as a table `{op: checker | None}` (JAX's rule tables,
+Thunder's `op -> checker`; docs/executors.md, "Writing an executor").
 """
 from __future__ import annotations
 

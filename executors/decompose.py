@@ -1,15 +1,11 @@
-"""Decomposition node by node: an op is broken into simpler ops where it stands, the rest of the
-graph untouched.
-
-`decompose_node` traces the op's decomposition on the node's fake inputs with `make_fx`, giving a
-small graph of simpler ops with full metadata, which the dispatcher splices in place of the node
-(lazy decomposition: only ops no listed executor claims). `decompose_graph` does it for every op a
-decomposition table covers — what re-tracing the whole graph with `make_fx(decomposition_table=...)`
-gives, at the cost of the ops it changes: the identical layers of a model share one trace per
-distinct op and input signature.
+"""Decomposition node by node: an op is broken into simpler ops where it stands, the rest of the graph
+untouched. `decompose_node` traces the op's decomposition on the node's fake inputs with `make_fx`, for
+the dispatcher to splice in; `decompose_graph` does it for every op a decomposition table covers
+(Inductor's regions: docs/executors.md, "inductor").
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Optional
 
@@ -38,10 +34,9 @@ def _is_composite(op) -> bool:
 
 
 def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.GraphModule]:
-    """The decomposition of `node` as a graph over its tensor/SymInt inputs, or None if it has none
-    (or the decomposition declines, or only reproduces the op itself). With `table`, the op is
-    traced through that decomposition table, recursively, as `make_fx(decomposition_table=table)`
-    would; without, through its registered decomposition, one level."""
+    """The decomposition of `node` as a graph over its tensor/SymInt inputs, or None if it has none (or
+    it declines, or only reproduces the op). With `table`, traced through that table recursively, as
+    `make_fx(decomposition_table=table)` would; without, through its registered decomposition, one level."""
     fn = node.target if table is not None else decomposition_of(node.target)
     if fn is None:
         return None
@@ -61,13 +56,11 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
             raise _Declined()
         return out
 
-    fake_mode = _fake_mode_of(values)
+    fake_mode = _fake_mode_of(values)  # traced in the inputs' own fake mode, else in a new one
     try:
-        if fake_mode is not None:
-            with fake_mode:
-                gm = make_fx(run, decomposition_table=table, tracing_mode="real")(*values)
-        else:
-            gm = make_fx(run, decomposition_table=table, tracing_mode="fake")(*values)
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            tracing_mode = "fake" if fake_mode is None else "real"
+            gm = make_fx(run, decomposition_table=table, tracing_mode=tracing_mode)(*values)
     except _Declined:
         return None
     except Exception:
@@ -86,11 +79,9 @@ class NotDecomposable(Exception):
 
 def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
     """A copy of `gm` with every op that `table` decomposes (or that has a CompositeImplicit kernel)
-    replaced by its decomposition. Each distinct (op, input metadata, constant arguments) is traced
-    once; each splice then derives its values from its own inputs' fake values, and views of a
-    spliced value are derived again, so fake values alias exactly as the values do (Inductor's
-    passes read aliasing from them). Raises `NotDecomposable` on symbolic shapes or a
-    decomposition whose output's metadata differs from the op's."""
+    replaced by its decomposition, each distinct op and input signature traced once. Values are derived
+    again at each splice (and its views), so fake values alias as the values do (Inductor's passes read
+    that). Raises `NotDecomposable` on symbolic shapes or a decomposition changing the op's metadata."""
     graph = copy.deepcopy(gm.graph)
     fake_mode = _fake_mode_of([node_value(n) for n in graph.nodes if n.op == "placeholder"])
     if fake_mode is None:

@@ -1,11 +1,7 @@
-"""The dispatcher: assigns every op of an ATen trace to an executor, decomposing lazily.
-
-Each op goes to the first listed executor that claims it as it stands. If none does, it is
-decomposed (one level at a time) and the parts are offered again — but only when listed executors
-claim every part (directly or through the parts' own decompositions). Otherwise the op is kept
-whole and goes to the `torch` fallback, which runs eager's own kernel: splitting `cumsum` into a
-masked O(n²) sum so that one `mul` of it can be fused would make the program slower and change
-its numerics for nothing. Every fallback records why.
+"""The dispatcher: assigns every op of an ATen trace to an executor, decomposing lazily (one level at a
+time, only when listed executors claim every part; docs/design.md, "Dispatch"). Otherwise the op stays
+whole on `torch`: splitting `cumsum` into a masked O(n²) sum so that one `mul` of it can be fused would
+make the program slower and change its numerics for nothing. Every fallback records why.
 """
 from __future__ import annotations
 

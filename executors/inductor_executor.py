@@ -1,8 +1,5 @@
-"""The `inductor` executor: compiles each region it is given with TorchInductor.
-
-Regions are already functional ATen graphs, so they go straight to `compile_fx_inner` (the entry
-Inductor itself uses after AOTAutograd): C++/OpenMP kernels on the CPU, Triton kernels on CUDA.
-It claims the ops Inductor has a lowering or a decomposition for.
+"""The `inductor` executor (docs/executors.md, "inductor"): regions, already functional ATen graphs, go
+straight to `compile_fx_inner`, the entry Inductor itself uses after AOTAutograd.
 """
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         self.fallback_random = fallback_random
 
     def options(self, *, fallback_random: bool = False) -> "InductorExecutor":
-        """This executor with Inductor options. `fallback_random=True` runs random ops (dropout)
-        with eager's kernels, so they draw the same numbers as eager under the same seed; the
-        default (False, as in torch.compile) generates them in Inductor's own kernels."""
+        """This executor with Inductor options: `fallback_random=True` runs random ops with eager's
+        kernels (docs/executors.md, "inductor")."""
         return InductorExecutor(fallback_random=fallback_random)
 
     def for_model(self) -> "InductorExecutor":
@@ -72,10 +68,9 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         return _library_ops()
 
     def decompositions_before_partition(self) -> dict:
-        """As torch.compile's AOTAutograd decomposes them: with `detach` and log-softmax whole, the
-        partitioner saves the loss's fp32 log-probabilities for the backward (8192 tokens x 32000:
-        1 GiB); decomposed, it saves the bf16 logits and two [tokens, 1] reductions and recomputes
-        the rest (tests/test_partition_memory.py checks what is saved)."""
+        """As torch.compile's AOTAutograd decomposes them: with `detach` and log-softmax whole, the partitioner
+        saves the loss's fp32 log-probabilities (1 GiB at 8192 tokens x 32000); decomposed, the bf16 logits
+        and two [tokens, 1] reductions (tests/test_partition_memory.py checks what is saved)."""
         table = _decompositions(self.fallback_random)
         return {op: table[op] for op in _DECOMPOSE_BEFORE_PARTITION if op in table}
 
@@ -89,9 +84,8 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         with config.patch(fallback_random=self.fallback_random):
             decomposed = _inductor_decomposed(gm, example_inputs)
         donated = donated_inputs(gm)
-        # No channels-last layout choices of Inductor's own: other regions consume these outputs
-        # with the strides the trace promises.
-        # No CUDA graphs of its own: `cuda_graphs=True` records whole stages, regions inside them.
+        # No layout choices of its own (other regions read these outputs with the promised strides),
+        # no CUDA graphs of its own (`cuda_graphs=True` records whole stages, regions inside them).
         with config.patch({"fallback_random": self.fallback_random, "layout_optimization": False,
                            "triton.cudagraphs": False}), \
                 _donating(decomposed, donated), _kernel_dir(_own_dir()):
@@ -118,9 +112,8 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         return None
 
     def save_region(self, fn: "InductorRegion") -> bytes:
-        """Inductor's compiled graph as its own FX graph cache stores it, plus the shared libraries
-        of its C++ kernels: Inductor finds a kernel by the hash of its source under its cache dir,
-        so restoring the library at the same relative path makes loading skip the C++ compile."""
+        """Inductor's compiled graph as its own FX graph cache stores it, plus the shared libraries of
+        its C++ kernels by their path under its cache dir, where loading finds them (no C++ compile)."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         stored = copy.copy(fn.compiled)
         stored.prepare_for_serialization()
@@ -131,9 +124,8 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         return pickle.dumps({"graph": pickle.dumps(stored), "files": files})
 
     def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
-        """Inductor's cache dir is the pipeline cache's own (`artifact_files_dir`, 0700) while the
-        region loads: the wrapper module and the kernel libraries it loads are ours, each library
-        checked against the bytes in the (authenticated) artifact and rewritten if it differs."""
+        """Loaded with Inductor's cache dir set to the pipeline cache's own (docs/cache.md, "What is
+        checked before anything runs", 3.)."""
         from torch._inductor.output_code import CompiledFxGraphConstants
         from torch._inductor.utils import BoxedBool
 
@@ -154,10 +146,8 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
 
 
 def _register_triton_kernels(compiled) -> None:
-    """The region's Triton kernels as Inductor bundled them when it compiled them (`TritonBundler`:
-    their binaries and launchers, in the authenticated artifact), registered so that importing the
-    wrapper module launches them directly, as torch.compile's warm start does, instead of compiling
-    each kernel's source again (most of a warm start's region loading on the H200)."""
+    """The region's Triton kernels as Inductor bundled them (`TritonBundler`), registered so that the
+    wrapper module launches them instead of compiling their source again (docs/cache.md)."""
     if bundle := getattr(compiled, "_triton_bundle", None):
         from torch._inductor.triton_bundler import TritonBundler
         TritonBundler.read_and_emit(bundle)
@@ -181,11 +171,10 @@ class InductorRegion:
 
 @contextlib.contextmanager
 def _donating(gm: fx.GraphModule, donated: list[int]):
-    """Lets Inductor reuse the memory of the region's donated inputs (saved activations this
-    region reads last, see `donation.mark_donated_inputs`) for its own buffers, as it does for
-    torch.compile's backward: it reads the indices from the tracing context's `fw_metadata`.
-    The donated placeholders are renamed, so the graph differs from an identical region's without
-    donation (or with other inputs donated) for Inductor's FX graph cache too."""
+    """Lets Inductor reuse the memory of the region's donated inputs (`donation.mark_donated_inputs`)
+    for its own buffers, as in torch.compile's backward (it reads their indices from the tracing
+    context's `fw_metadata`). The donated placeholders are renamed, so Inductor's FX graph cache tells
+    the region from an identical one with other inputs donated."""
     if not donated:
         yield
         return
@@ -284,10 +273,9 @@ def _put_verified(root: str, rel: str, content: bytes) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _portable_config_hash(config_hash: bytes) -> str:
-    """A hash of Inductor's config as its FX graph cache keys it (`save_config_portable`: without
-    the values that name this process's situation rather than what is compiled — compile_threads,
-    decided lazily on first use; cutlass dirs, relative to the working dir; the worker start
-    method), which `config.get_hash()` includes. Memoized on that hash, which changes with any option."""
+    """A hash of Inductor's config as its FX graph cache keys it (`save_config_portable`: without the
+    values that describe the process, such as compile_threads, which `config.get_hash()` includes).
+    Memoized on that hash, which changes with any option."""
     from torch._inductor import config
     values = config.save_config_portable(ignore_private_configs=False)
     text = "\n".join(f"{k}={_stable_text(v)}" for k, v in sorted(values.items()))
@@ -380,8 +368,7 @@ def _static_strides(strides):
 
 
 def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple[int, ...]]]:
-    """The promised strides (`promised_strides`) of the outputs Inductor lays out differently; those
-    outputs are copied into the promised layout when they run."""
+    """The promised strides of the outputs Inductor lays out differently (copied into them when run)."""
     if not actual:
         return []
     return [(i, want) for i, want in promised_strides(region)
@@ -389,13 +376,10 @@ def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple
 
 
 def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
-    """The region with Inductor's own decompositions applied, then Inductor's graph-level rewrites
-    (`joint_graph_passes`): inside torch.compile, AOTAutograd applies the first and the partition
-    step the second before `compile_fx_inner` sees a graph. Without the rewrites, NLL's backward
-    keeps `zeros + scatter` (a logits-sized fp32 buffer: 0.98 GiB for a 32k vocabulary at 8k
-    tokens) where Inductor would compute the one-hot inline. The decompositions are spliced in op
-    by op (`decompose_graph`: a whole-model region re-traced with `make_fx` took seconds of the
-    first step); a region that cannot be done that way (symbolic shapes) is re-traced whole."""
+    """The region with Inductor's own decompositions applied (op by op, `decompose_graph`; re-traced
+    whole where that cannot be done), then its graph-level rewrites (`joint_graph_passes`), as
+    torch.compile's AOTAutograd and partitioner do before `compile_fx_inner`. Without the rewrites,
+    NLL's backward keeps `zeros + scatter` (a logits-sized fp32 buffer) instead of a one-hot inline."""
     from torch._guards import detect_fake_mode
     from torch._inductor import config
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes

@@ -1,10 +1,7 @@
-"""How the `nvfuser` executor writes a region as a `FusionDefinition`: the op translation table.
-
-`OPS` maps an ATen overload to a translation `fn(fd, node, *args, **kwargs) -> Val`; `CLAIMS`, the
-executor's `ClaimTable`, holds the same ops, each with the checker a node must pass to be claimed (None
-for most); `@_op(*overloads, checker=...)` fills both. `define_fusion` builds a region's definition.
-Every result is cast back to the dtype the trace promises (nvFuser computes half types in fp32). The
-executor itself is `nvfuser_executor.py`.
+"""How the `nvfuser` executor writes a region as a `FusionDefinition` (docs/executors.md, "nvfuser"):
+`OPS` maps an ATen overload to a translation `fn(fd, node, *args, **kwargs) -> Val` and `CLAIMS` holds the
+same ops with their checkers, both filled by `@_op(*overloads, checker=...)`. Every result is cast back
+to the dtype the trace promises (nvFuser computes half types in fp32).
 """
 from __future__ import annotations
 
@@ -60,14 +57,13 @@ def define_fusion(FusionDefinition, gm: fx.GraphModule, inputs: Sequence):
 
 def _define_input(fd, value):
     from nvfuser_direct import DataType, compute_tensor_descriptor
-    from nvfuser_direct.pytorch_utils import torch_dtype_to_nvfuser_dtype
 
     if isinstance(value, torch.Tensor):
         shape = [1 if s == 1 else -1 for s in value.shape]
         sizes = [int(s) if isinstance(s, int) else 2 for s in value.shape]
         strides = [int(s) if isinstance(s, int) else 0 for s in value.stride()]
         contiguity, stride_order = compute_tensor_descriptor(sizes, strides)
-        return fd.define_tensor(shape=shape, contiguity=contiguity, dtype=torch_dtype_to_nvfuser_dtype(value.dtype),
+        return fd.define_tensor(shape=shape, contiguity=contiguity, dtype=_nv(value.dtype),
                                 is_cpu=value.device.type == "cpu", stride_order=stride_order)
     if isinstance(value, (int, torch.SymInt)):
         return fd.define_scalar(DataType.Int)
@@ -146,14 +142,10 @@ for _overload, _name in _BINARY.items():
     _op(_overload)(lambda fd, node, a, b, _n=_name: getattr(fd.ops, _n)(a, b))
 
 
-@_op(aten.add.Tensor, aten.add.Scalar)
-def _add(fd, node, a, b, alpha=1):
-    return fd.ops.add(a, b if alpha == 1 else fd.ops.mul(b, alpha))
-
-
-@_op(aten.sub.Tensor, aten.sub.Scalar)
-def _sub(fd, node, a, b, alpha=1):
-    return fd.ops.sub(a, b if alpha == 1 else fd.ops.mul(b, alpha))
+@_op(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar)
+def _add_or_sub(fd, node, a, b, alpha=1):
+    op = fd.ops.add if node.target in (aten.add.Tensor, aten.add.Scalar) else fd.ops.sub
+    return op(a, b if alpha == 1 else fd.ops.mul(b, alpha))
 
 
 @_op(aten.rsub.Scalar, aten.rsub.Tensor)
@@ -161,26 +153,20 @@ def _rsub(fd, node, a, b, alpha=1):
     return fd.ops.sub(b, a if alpha == 1 else fd.ops.mul(a, alpha))
 
 
+# x ** c with the exponents norms and their gradients use, as multiplies or roots: nvFuser emits a
+# general powf otherwise (tens of instructions per element; Inductor rewrites these too)
+_POWERS = {1: lambda fd, x: fd.ops.set(x), 2: lambda fd, x: fd.ops.mul(x, x),
+           3: lambda fd, x: fd.ops.mul(fd.ops.mul(x, x), x), 0.5: lambda fd, x: fd.ops.sqrt(x),
+           -0.5: lambda fd, x: fd.ops.rsqrt(x), -1: lambda fd, x: fd.ops.reciprocal(x)}
+
+
 @_op(aten.pow.Tensor_Scalar)
 def _pow_scalar(fd, node, x, exponent):
-    """x ** c with the exponents norms and their gradients use as multiplies or roots: nvFuser emits
-    a general powf otherwise (tens of instructions per element; Inductor rewrites these too). Integer
-    tensors keep `pow`, which promotes a float exponent as eager does (x*x would stay integer)."""
-    if not node_value(node.args[0]).dtype.is_floating_point:
+    """Integer tensors keep `pow`, which promotes a float exponent as eager does (x*x would stay integer)."""
+    special = _POWERS.get(exponent) if isinstance(exponent, (int, float)) else None
+    if special is None or not node_value(node.args[0]).dtype.is_floating_point:
         return fd.ops.pow(x, exponent)
-    if exponent == 1:
-        return fd.ops.set(x)
-    if exponent == 2:
-        return fd.ops.mul(x, x)
-    if exponent == 3:
-        return fd.ops.mul(fd.ops.mul(x, x), x)
-    if exponent == 0.5:
-        return fd.ops.sqrt(x)
-    if exponent == -0.5:
-        return fd.ops.rsqrt(x)
-    if exponent == -1:
-        return fd.ops.reciprocal(x)
-    return fd.ops.pow(x, exponent)
+    return special(fd, x)
 
 
 @_op(aten.where.self)
@@ -270,14 +256,10 @@ def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
     return fd.ops.truediv(total, float(count))
 
 
-@_op(aten.amax.default)
-def _amax(fd, node, x, dims=(), keepdim=False):
-    return fd.ops.max(x, _dims(dims, _rank(node)), keepdim)
-
-
-@_op(aten.amin.default)
-def _amin(fd, node, x, dims=(), keepdim=False):
-    return fd.ops.min(x, _dims(dims, _rank(node)), keepdim)
+@_op(aten.amax.default, aten.amin.default)
+def _amax_or_amin(fd, node, x, dims=(), keepdim=False):
+    reduce = fd.ops.max if node.target is aten.amax.default else fd.ops.min
+    return reduce(x, _dims(dims, _rank(node)), keepdim)
 
 
 @_op(aten.var_mean.correction)

@@ -4,13 +4,10 @@ Run once per executor, in priority order: an operator executor gets one region p
 executor's ops are grouped by *barrier depth* — how many ops of other executors (or their regions)
 still lie, on the longest path, between the op and the graph's outputs. Along any edge the depth never
 grows and it drops at each foreign op, so no path leaves a group and comes back: every group is a
-valid region, and the regions form no cycle. An op joins the group of its earliest consumer, so values
-are computed right before they are needed (recomputed activations in a backward stay with the layer
-that uses them), except work that only feeds the outputs (`_outputs_as_early_as_possible`). Between
-two TE linears, say, everything Inductor claims becomes one region.
-
-This is linear in the graph size; torch.fx's `CapabilityBasedPartitioner`, used before, merged
-greedily in quadratic time (10–14 s of a 16-layer fp8 Llama's first step on the H200 host).
+valid region, and the regions form no cycle. An op joins the group of its earliest consumer, except
+work that only feeds the outputs (`_outputs_as_early_as_possible`; docs/design.md, "Dispatch"). Linear
+in the graph size: torch.fx's `CapabilityBasedPartitioner`, used before, took 10–14 s of a 16-layer
+fp8 Llama's first step on the H200 host.
 """
 from __future__ import annotations
 
@@ -28,12 +25,9 @@ from .symbol_inputs import pass_symbol_inputs
 
 
 def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[str, str]]:
-    """Moves every assigned op of `gm` into a region submodule (in place).
-
-    Returns (submodule name, executor name) for each region in execution order; the submodules are
-    named `region0`, `region1`, ... in that order. Each region also receives the shape symbols its
-    values are expressed in (`pass_symbol_inputs`), not only its ops' arguments.
-    """
+    """Moves every assigned op of `gm` into a region submodule (in place), `region0`, `region1`, ... in
+    execution order, each also given the shape symbols its code names (`pass_symbol_inputs`).
+    Returns (submodule name, executor name) for each region, in that order."""
     for k, ex in enumerate(executors):
         assigned = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") == ex.name]
         if not assigned:
@@ -55,14 +49,10 @@ def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[s
 
 
 def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallback: str) -> None:
-    """A fusible island — ops of fusion executors between library kernels and other executors' ops,
-    grouped as `partition` groups one executor's ops — that its ops' claims split between two fusion
-    executors goes whole to the first of them (in priority order) that claims all of it.
-
-    Split, every value crossing between the executors' regions is written to memory: with
-    `[nvfuser, inductor]` the loss tail alternated between them at each slice and scatter nvFuser does
-    not take, and three fp32 logits-sized buffers were alive at once where Inductor alone keeps two bf16
-    ones (+2.8 GiB on the H200). Moved ops get `meta["island"]`, which the region table reports."""
+    """A fusible island (ops of fusion executors between library kernels and other executors' ops,
+    grouped as `partition` groups one executor's ops) that claims split between two fusion executors
+    goes whole to the first that claims all of it (why: docs/design.md, "Dispatch"; with `[nvfuser,
+    inductor]` the split loss tail cost 2.8 GiB on the H200). Moved ops get `meta["island"]`."""
     fusion = {e.name: e for e in executors if e.kind == "fusion" and e.name != fallback}  # in priority order
     library = set().union(*(e.library_ops() for e in fusion.values()))
     members = {n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") in fusion
@@ -98,9 +88,8 @@ def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
     for node in reversed(gm.graph.nodes):
         depth[node] = max((depth[u] + is_barrier(u) for u in node.users), default=0)
     _outputs_as_early_as_possible(gm, assigned, depth)
-    # An element of a multi-output op stays with the op: a tuple never crosses a region boundary
-    # (Inductor takes and returns tensors only). The op's depth is at least its elements', so the
-    # edges out of the element still never climb and the groups stay cycle-free.
+    # An element of a multi-output op stays with the op (a tuple never crosses a region boundary); the
+    # op's depth is at least its elements', so the edges out of the element still never climb.
     for node in gm.graph.nodes:
         if node.target is operator.getitem and node.args[0] in assigned:
             depth[node] = depth[node.args[0]]
@@ -112,12 +101,10 @@ def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
 
 
 def _outputs_as_early_as_possible(gm: fx.GraphModule, assigned: set, depth: dict) -> None:
-    """Work whose only use is a graph output (a norm weight's gradient summed over the tokens, a value
-    saved for the backward) moves to the earliest group its inputs allow, instead of the last region:
-    the activations it reads are then freed in their own layer, not all kept to the end of the stage.
-    Such a node gets the least depth among its computed inputs (never below its users'); one that
-    reads only graph inputs joins its users. Depths only grow and never climb along an edge, so the
-    groups stay cycle-free."""
+    """Work whose only use is a graph output (a weight gradient, a value saved for the backward) moves to
+    the earliest group its inputs allow, so the activations it reads are freed in their own layer. Such a
+    node gets the least depth among its computed inputs (never below its users'); one that reads only
+    graph inputs joins its users. Depths only grow and never climb along an edge: still cycle-free."""
     bound = set()  # assigned nodes all of whose uses lead only to the output
     for node in reversed(gm.graph.nodes):
         if node in assigned and node.users and all(u in bound or u.op == "output" for u in node.users) \

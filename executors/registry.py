@@ -13,11 +13,8 @@ def known_executors() -> dict[str, Executor]:
 
 
 def resolve(executors: Sequence) -> list[Executor]:
-    """Executor objects for `executors` (objects or names), in order, skipping unavailable ones.
-
-    Raises ValueError for an unknown name, TypeError for something that is not an executor, and
-    RuntimeError naming each executor and why when none of the listed ones is available.
-    """
+    """Executor objects for `executors` (objects or names), in order, skipping unavailable ones; raises
+    when none of the listed ones is available, naming each and why."""
     if isinstance(executors, (str, Executor)) or not hasattr(executors, "__iter__"):
         raise TypeError(f"executors must be a list of executors or their names, got {executors!r}")
     known = known_executors()

@@ -1,10 +1,5 @@
-"""The check of an executor's result against its region's trace, at the region's first call (what is
-compared, and what a mismatch does: docs/executors.md, at the end).
-
-An executor that returns a (3, 1) tensor where the trace has (3, 4), a transpose, float64 for
-float32, too few outputs or no tuple at all would otherwise hand a wrong value to the next region or
-to the user. Later calls are not checked — the same compiled code gives results of the same
-metadata — except under `PIPELINE_DEBUG=1`.
+"""The check of an executor's result against its region's trace, at the region's first call (every
+call under `PIPELINE_DEBUG=1`): what is compared, and what a mismatch does: docs/executors.md, at the end.
 """
 from __future__ import annotations
 
@@ -31,11 +26,8 @@ class ResultCheck:
         self.donated = [i for i, n in enumerate(placeholders) if n.meta.get("donated")]
 
     def hold(self, args: list) -> Optional[list]:
-        """A copy of the argument list to run the region again with, or None when the region may
-        overwrite or free some of its inputs (donated ones: saved activations in a backward).
-        Copying those would cost the first step their memory again (a 0.85B Llama's backward: 5 GiB),
-        so a region with donated inputs whose first result is wrong raises instead of running again;
-        its next call runs on the replacement."""
+        """A copy of the argument list to run the region again with, or None when it has donated inputs
+        (copying them would cost the first step their memory again: 5 GiB in a 0.85B Llama's backward)."""
         return None if self.donated else list(args)
 
     def problem(self, out: Any) -> Optional[str]:

@@ -1,12 +1,7 @@
-"""Every region receives the shape symbols its code names.
-
-A region's inputs, as `fuse_by_partitions` makes them, are only the values its ops take as
-arguments. Under dynamic shapes that is not enough: a backward region that pads by a saved
-`neg = s48 - 10` to an output of size `s48`, or reads a tangent of size `2*(s48//2)`, needs `s48`
-itself, and a compiler binds a symbol only from an input that is that plain symbol (see
-`ir.symbols`). The stage graph binds it (a SymInt input, a tensor input's size); the region did not
-get it, and Inductor's code failed with `NameError: name 's48' is not defined` (or an assertion).
-Here each region also receives, for each symbol it is missing, a value of the stage that binds it.
+"""Every region receives the shape symbols its code names, not only the values its ops take as
+arguments (what `fuse_by_partitions` gives it): a backward region padding by a saved `s48 - 10` to a
+size `s48` needs `s48` itself, which only an input that is that plain symbol binds (`ir.symbols`);
+without it Inductor's code failed with `NameError: name 's48' is not defined`.
 """
 from __future__ import annotations
 
@@ -18,10 +13,9 @@ from ir.symbols import binds, unbound_symbols
 
 
 def pass_symbol_inputs(gm: fx.GraphModule) -> None:
-    """Adds to each region of `gm` (a `call_module` node) an input for each symbol the region refers
-    to but does not bind: the earliest value of `gm` before the region that binds it (a SymInt is
-    preferred to a tensor, which would be kept alive longer). In place; symbols nothing binds are
-    left for `ir.symbols.check_symbols_bound` to report."""
+    """Adds to each region call of `gm` (in place) an input for each symbol the region needs but does not
+    bind: the earliest value before it that binds the symbol, a SymInt rather than a tensor (kept alive
+    longer). Symbols nothing binds are left for `ir.symbols.check_symbols_bound` to report."""
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
     missing = {call: unbound_symbols(gm.get_submodule(call.target)) for call in calls}  # static: [] at once
     if not any(missing.values()):

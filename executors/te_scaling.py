@@ -1,9 +1,7 @@
-"""fp8 scaling for the `te` executor: current scaling (stateless), delayed scaling (state per jitted
-model; the recipes: docs/executors.md). Each TE linear has three fp8 tensors: x and W in the forward,
-dy in the backward. The delayed-scaling history and scales live here, one `DelayedScalingState` per
-jitted model, stacked per direction so that one fused TE kernel updates them all at the start of each
-call of the model. The custom ops reach the state through an integer handle, so the graph stays a
-pure function of its inputs as far as the compiler can see.
+"""fp8 scaling for the `te` executor: current scaling (stateless) and delayed scaling, one
+`DelayedScalingState` per jitted model (docs/executors.md, "te"): x, W and dy of every linear, stacked
+per direction. The custom ops reach the state through an integer handle, so the graph stays a pure
+function of its inputs as far as the compiler can see.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The project's warning categories and logger, in the lowest layer so every package can use them.
-
-    PIPELINE_LOG=info python train.py    # what each graph goes through: capture, lowering, regions
-
-Warnings are for what a user must know (something runs slower or differently than asked);
-the logger is for following what the compiler is doing. Filter our warnings with
-`warnings.simplefilter("error", PipelineFallbackWarning)` or `pipeline.jit(..., fallback="raise")`.
+"""The project's warning categories and logger (`PIPELINE_LOG=info`: README), in the lowest layer so
+every package can use them. Warnings are for what a user must know (something runs slower or
+differently than asked); the logger is for following what the compiler is doing.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Prints a `Trace` as readable, runnable Python, Thunder style: one op per line, the shape and
-dtype of what it makes as a comment, inputs and outputs described in the header.
-
-`python_source(trace)` is the text; `python_callable(trace)` executes that text and returns the
-function, so what is printed is exactly what can be run.
+"""Prints a `Trace` as readable, runnable Python, Thunder style: one op per line, the shape and dtype
+of what it makes as a comment, inputs and outputs described in the header. `python_callable(trace)`
+executes that text, so what is printed is exactly what can be run.
 """
 from __future__ import annotations
 

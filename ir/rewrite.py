@@ -1,10 +1,6 @@
-"""Graph rewrites as tables of (pattern, replace, guard) rules, read by one small matcher.
-
-A pattern names the calls to look for and binds their arguments to names, so a rewrite reads as what
-it matches (tinygrad's pattern tables), not as code walking `node.args`. Not `torch.fx.subgraph_rewriter`:
-its patterns are traced functions, one per spelling, and Dynamo's graphs spell one op many ways
-(`x.reshape(s)`, `torch.reshape(x, s)`, keyword or positional arguments). An example:
-docs/passes.md, "A rewrite as a pattern list".
+"""Graph rewrites as tables of (pattern, replace, guard) rules, read by one small matcher (tinygrad's
+pattern tables; docs/passes.md, "A rewrite as a pattern list"). Not `torch.fx.subgraph_rewriter`: its
+patterns are traced functions, one per spelling, and Dynamo's graphs spell one op many ways.
 """
 from __future__ import annotations
 
@@ -17,12 +13,9 @@ from .trace import node_value
 
 
 class Call:
-    """A call to one of `targets` (callables; a str names a tensor method, and `torch.<name>` and
-    `torch.Tensor.<name>` called as functions) whose arguments, named by `params` in signature order
-    (a last `"*rest"` takes the remaining positional ones; the first may come as `self=`), match
-    `args`: a str binds the argument to that name, a `Call` (or `a | b`) must match the node passed,
-    any other callable must return true for it (None when not passed). A call passing an argument
-    `params` does not name is no match. `bind` names the call's own node."""
+    """A call to one of `targets` whose arguments, named by `params` in signature order (a last `"*rest"`
+    takes the remaining positional ones; the first may come as `self=`), match `args`; `bind` names the
+    call's own node (docs/passes.md, "A rewrite as a pattern list")."""
 
     def __init__(self, targets, params: tuple[str, ...], bind: Optional[str] = None, **args):
         targets = targets if isinstance(targets, tuple) else (targets,)

@@ -1,12 +1,8 @@
-"""Shape symbols a graph refers to, and whether its inputs bind them.
-
-A graph compiled on its own (an executor's region) must receive every symbol its code will name: a
-generated kernel that computes `2*(s48//2)` needs `s48` itself as a value. Compilers bind a symbol
-only from an input that *is* it — a size or stride of a tensor input that equals the plain symbol,
-or a SymInt input equal to it (Inductor's wrapper does exactly that and nothing more: a SymInt input
-`s48 - 10` binds nothing). Unbacked symbols (`u0`) are bound by the op that produces them.
-A symbol bound neither way is a `NameError` in generated code at run time; `check_symbols_bound`
-makes it an error at build time, naming the symbol, the graph and the op.
+"""Shape symbols a graph refers to, and whether its inputs bind them. A region's generated code that
+computes `2*(s48//2)` needs `s48` itself, and compilers bind a symbol only from an input that *is* it:
+a tensor input's size or stride equal to the plain symbol, or a SymInt input equal to it (Inductor's
+wrapper: a SymInt input `s48 - 10` binds nothing); unbacked symbols (`u0`) by the op making them.
+`check_symbols_bound` makes a symbol bound neither way an error at build time, not a `NameError` at run time.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""`Trace`: an immutable, functional program over an `fx.Graph`.
-
-A trace is what every stage of the pipeline produces and consumes. It owns a `GraphModule`
-(graph + constants), says what each input and output *is* (user input, parameter with its
-qualified name, buffer, saved activation, gradient, ...), which level its ops are at (`torch`
-as captured, `aten` once lowered) and which stages and passes made it (provenance).
-
-Passes never edit a trace: they call `trace.editable()` for a private copy of the graph module,
-change that, and wrap the result with `trace.derive(gm, by="my_pass")`.
+"""`Trace`: an immutable, functional program over an `fx.Graph`, with input/output specs, level and
+provenance (docs/design.md). Passes never edit a trace: they change `trace.editable()`, a private
+copy of its graph module, and wrap the result with `trace.derive(gm, by="my_pass")`.
 """
 from __future__ import annotations
 
@@ -42,8 +36,7 @@ class OutputKind(enum.StrEnum):
 
 
 class Stage(enum.StrEnum):
-    """Which program of the pipeline a trace is: the captured graph (and what the before-autodiff
-    passes make of it), the joint forward-backward graph, or one of AOTAutograd's partitions."""
+    """Which program of the pipeline a trace is: the captured graph, the joint graph, or a partition."""
     CAPTURED = "captured"
     JOINT = "joint"
     FORWARD = "forward"
@@ -133,12 +126,9 @@ class Trace:
 
     # -- deriving ------------------------------------------------------------------------------
     def editable(self) -> fx.GraphModule:
-        """A private copy of the graph module that a pass may change freely.
-
-        Nodes are copied with their metadata (shallowly: fake tensors are shared, never mutated).
-        Constants and submodules are shared with this trace. Its Python code is generated when it
-        is first run or printed, not here: a pass that changes the graph would make it stale.
-        """
+        """A private copy of the graph module that a pass may change freely: nodes copied with their
+        metadata (fake tensors shared, never mutated), constants and submodules shared. Its Python
+        code is generated when it is first run or printed: a pass changing the graph would make it stale."""
         graph = fx.Graph()
         out = graph.graph_copy(self.graph, {})  # the output's value, mapped into `graph`
         graph.output(out).meta = dict(self.output_node().meta)
@@ -195,9 +185,8 @@ def output_ancestors(gm: fx.GraphModule, count: int) -> set[fx.Node]:
 
 
 def fake_like(like: torch.Tensor, shape, *, stride=None, dtype=None, device=None) -> torch.Tensor:
-    """An empty tensor of `shape` (and `stride`) in the fake mode of `like`, with `like`'s dtype and
-    device unless given: the metadata a pass sets on the nodes it creates. A meta tensor when `like`
-    is not fake."""
+    """The metadata a pass sets on a node it creates: an empty tensor of `shape` (and `stride`) in the fake
+    mode of `like` (a meta tensor when it is not fake), with `like`'s dtype and device unless given."""
     dtype = like.dtype if dtype is None else dtype
     mode = getattr(like, "fake_mode", None)
     if mode is None:

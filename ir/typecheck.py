@@ -1,10 +1,7 @@
-"""Type checking of traces: each node's value re-derived with fake tensors and compared with the
-metadata the trace claims (shape, dtype, device, layout, strides), as JAX's `check_jaxpr`
-re-derives every equation; and a pass's outputs compared with the outputs of the trace it was given.
-
-The pipeline runs this on the output of every trace pass and built-in rewrite, re-deriving only the
-nodes the pass created or changed (the rest were checked when they were made), so it costs little
-even on large graphs; `check_types(trace)` without `before` re-derives every node.
+"""Type checking of traces, as JAX's `check_jaxpr` re-derives every equation: each node's value re-derived
+with fake tensors and compared with the metadata the trace claims, and a pass's outputs compared with
+those of the trace it was given (docs/passes.md, "What is checked"). After a pass only the nodes it
+created or changed are re-derived; `check_types(trace)` without `before` re-derives every node.
 """
 from __future__ import annotations
 
@@ -112,9 +109,8 @@ def _key(node: fx.Node):
 
 
 def refresh_values(changed: list[fx.Node]) -> None:
-    """Sets `meta["val"]` again on every node downstream of `changed` whose value its op now
-    computes differently (a pass rewired its input, e.g. to a strided slice): for passes that
-    change what feeds existing nodes."""
+    """Sets `meta["val"]` again on every node downstream of `changed` whose value its op now computes
+    differently: for passes that change what feeds existing nodes (e.g. to a strided slice)."""
     if not changed:
         return
     graph = changed[0].graph

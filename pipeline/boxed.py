@@ -1,6 +1,5 @@
-"""The boxed calling convention for compiled stages: the callee takes the argument *list* and empties
-it, so each input (a saved activation in the backward, say) is freed right after its last use rather
-than when the whole stage returns. AOTAutograd calls functions marked `_boxed_call` this way.
+"""The boxed calling convention for compiled stages (AOTAutograd's `_boxed_call`): the callee takes the
+argument *list* and empties it, so each input is freed right after its last use, not when the stage returns.
 """
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ def boxed(gm: fx.GraphModule):
 
 def _region_calls_boxed(gm: fx.GraphModule, graph: fx.Graph) -> None:
     """Each region call `region(a, b)` becomes `region.call_boxed(list((a, b)))`: the generated code
-    drops its own reference to an argument after its last use — here, the packing — so while the
-    region runs only the list holds the inputs it reads last, and a region that empties the list
-    (Inductor's) frees them after their last use inside it, not when it returns."""
+    drops its references at the packing, so a region that empties the list (Inductor's) frees its
+    inputs after their last use inside it, not when it returns."""
     for node in list(graph.nodes):
         if node.op != "call_module" or node.kwargs or not hasattr(gm.get_submodule(node.target), "call_boxed"):
             continue
@@ -50,9 +48,8 @@ def _region_calls_boxed(gm: fx.GraphModule, graph: fx.Graph) -> None:
 
 def _single_region(gm: fx.GraphModule):
     """For a stage that is one region (placeholders -> one region call -> its outputs), a runner that
-    hands the argument list straight to the region: no frame of ours holds the inputs while it runs,
-    so a region that frees its inputs early (Inductor's) can free the saved activations during the
-    backward, as under torch.compile. None for any other shape of graph."""
+    hands the argument list straight to the region, so no frame of ours holds the inputs while it
+    runs (as under torch.compile). None for any other shape of graph."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     calls = [n for n in nodes if n.op == "call_module"]

@@ -1,15 +1,6 @@
-"""The cache's files, trusted only when this user wrote them (as ssh trusts `~/.ssh`).
-
-A cached entry is unpickled, and an Inductor artifact loads shared libraries: whoever can write the
-cache directory runs code in every process that reads it. So before anything is read:
-- the cache root and each directory we use under it must be ours, and not writable by group or
-  others (`Untrusted` otherwise: the caller turns the cache off with one warning saying how to fix it);
-  its parent directories must not be writable by others unless sticky (`/tmp`);
-- an entry is opened with `O_NOFOLLOW | O_NONBLOCK` (no links followed, a FIFO never blocks), must be
-  a regular file of ours, not group/other-writable, at most `MAX_ENTRY_BYTES`;
-- its payload carries an HMAC-SHA256 under a per-user secret kept in the root (0600, never readable
-  by others), checked before the payload is handed on to be unpickled.
-New directories are made 0700 and files 0600; a write goes to a temporary file, then `os.replace`.
+"""The cache's files, trusted only when this user wrote them (as ssh trusts `~/.ssh`): ownership and
+mode checks, entries read without following links, payloads sealed with a per-user HMAC key. What is
+checked and why: docs/cache.md, "Who can write what" and "What is checked before anything runs".
 """
 from __future__ import annotations
 
@@ -20,6 +11,8 @@ import secrets
 import stat
 import tempfile
 from typing import Optional
+
+from executors.artifact_files import write_file  # noqa: F401 - the cache writes its entries with it
 
 MAX_ENTRY_BYTES = 1 << 30
 SECRET_NAME = "secret.key"
@@ -67,8 +60,7 @@ def private_dir(path: str, what: str = "cache directory") -> str:
 
 
 def check_parents(path: str) -> None:
-    """Raises `Untrusted` when a directory above `path` lets others replace what is in it
-    (writable by group or others, without the sticky bit that `/tmp` has)."""
+    """Raises `Untrusted` when a directory above `path` is writable by group or others, unless sticky (`/tmp`)."""
     parent = os.path.dirname(os.path.abspath(path))
     while True:
         st = os.stat(parent)
@@ -107,9 +99,8 @@ def secret(root: str) -> bytes:
 
 
 def read_file(path: str, what: str = "entry", *, private: bool = False, limit: int = MAX_ENTRY_BYTES) -> bytes:
-    """The bytes of the regular file `path`, opened without following a link or blocking on a FIFO,
-    its size checked before it is read. Raises FileNotFoundError, `Skipped` (a link, not a regular
-    file, too large) or `Untrusted` (not ours, writable by others)."""
+    """The bytes of the regular file `path`, its size checked before it is read. Raises FileNotFoundError,
+    `Skipped` (a link, not a regular file, too large) or `Untrusted` (not ours, writable by others)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
@@ -138,19 +129,6 @@ def read_file(path: str, what: str = "entry", *, private: bool = False, limit: i
         return data
     finally:
         os.close(fd)
-
-
-def write_file(path: str, data: bytes) -> None:
-    """Writes `path` (0600) atomically: a temporary file in the same folder, then `os.replace`."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 # -- authenticated payloads -----------------------------------------------------------------------

@@ -1,11 +1,7 @@
 """`pipeline.save` / `pipeline.load`: a jitted model's (and its optimizer's) state through safetensors
-(what loads where: docs/passes.md, "Checkpoints").
-
-Unsharded, `path` is one file: the original model's state dict under `model.<key>`, the optimizer's
-tensors under `optimizer.state.<index>.<name>`, its hyperparameters as JSON in the file's metadata.
-Under `fsdp`, `path` is a folder of `rank<r>-of-<w>.safetensors` parts: each rank's rows of every
-sharded tensor (and of their optimizer state), plus, from rank 0, what is not sharded; the file's
-`rows` metadata says which rows each part holds, so loading reads only the rows a rank holds now.
+(what loads where, and the rank files under `fsdp`: docs/passes.md, "Checkpoints"). Keys: the model's
+under `model.<key>`, the optimizer's tensors under `optimizer.state.<index>.<name>`, its
+hyperparameters as JSON in the metadata, and the rows each rank file holds in its `rows` metadata.
 """
 from __future__ import annotations
 
@@ -80,8 +76,7 @@ def load(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None, st
 
 
 def load_full(path: str) -> dict[str, torch.Tensor]:
-    """The original model's full state dict from what `save` wrote (one file, or a folder of rank
-    files), for an eager copy of the model: `model.load_state_dict(pipeline.load_full(path))`."""
+    """The original model's full state dict from what `save` wrote, for an eager copy of the model."""
     with Checkpoint(path) as ckpt:
         return {k[len(MODEL):]: ckpt.read(k) for k in ckpt.keys() if k.startswith(MODEL)}
 

@@ -1,13 +1,7 @@
-"""CUDA graphs for compiled stages (`pipeline.jit(..., cuda_graphs=True)`; why: docs/executors.md).
-
-This reuses torch.compile's "reduce-overhead" machinery (`torch._inductor.cudagraph_trees`): the
-first call of a stage runs normally (warm-up: Triton autotuning, TE's and cuBLAS's lazy state), the
-next records, later calls replay; parameters and saved activations stay where they are, other inputs
-are copied into the graph's own buffers; forward and backward share one memory pool. Its rules are
-torch.compile's (a replay overwrites the last one's outputs; one graph per input shape: see `jit`).
-
-A stage that cannot be recorded (`why_not_recordable`) runs region by region, the reason recorded in
-`pipeline.compile_stats(model).cuda_graphs` ("on" or "off: why").
+"""CUDA graphs for compiled stages (`pipeline.jit(..., cuda_graphs=True)`; docs/executors.md, "CUDA
+graphs"), through torch.compile's "reduce-overhead" machinery (`torch._inductor.cudagraph_trees`) and
+its rules. A stage that cannot be recorded (`why_not_recordable`) runs region by region, the reason in
+`pipeline.compile_stats(model).cuda_graphs`.
 """
 from __future__ import annotations
 
@@ -21,11 +15,10 @@ from ir import InputKind, Stage, Trace
 
 def stage_callable(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage: str, record,
                    executors) -> Callable:
-    """`fn` (a boxed stage running `trace`) recorded as a CUDA graph when it can be, else `fn`; the
-    decision goes into `record.cuda_graphs[stage]`. As inside torch.compile, a graph's forward and
-    backward are decided together: a backward is not recorded when its forward is not (its saved
-    activations would not stay put), and a backward that cannot be recorded tells the graph tree that
-    it ran, or the tree would wait for it forever and never start a new step."""
+    """`fn` (a boxed stage running `trace`) recorded as a CUDA graph when it can be, else `fn`, the decision
+    in `record.cuda_graphs[stage]`. A backward is not recorded when its forward is not (its saved
+    activations would not stay put); one that cannot be recorded tells the graph tree that it ran, or
+    the tree would wait for it forever and never start a new step."""
     why_not = why_not_recordable(trace, example_inputs, executors)
     forward = record.cuda_graphs.get("forward")
     if stage == "backward" and why_not is None and forward is not None and forward != "on":

@@ -1,12 +1,8 @@
-"""Loud fallbacks: every time part of a model runs otherwise than compiled as asked — a graph in
-eager, a frame Dynamo gave up on, a region on another executor than its own because that one failed
-or returned a wrong result — the pipeline says so the same way: one `PipelineFallbackWarning`, a
-line in `compile_stats(cm).fallbacks`, and the log; with `jit(..., fallback="raise")` it is a
-`PipelineFallbackError` instead.
-
-Why not raise by default, as torch.compile does for backend errors? A model that trains in eager
-should still train when one of its graphs uses something no executor handles yet; the warning and
-the stats say where, and tests (and careful users) pass `fallback="raise"`.
+"""Loud fallbacks: every time part of a model runs otherwise than compiled as asked, one
+`PipelineFallbackWarning`, a line in `compile_stats(cm).fallbacks` and the log; with
+`jit(..., fallback="raise")` a `PipelineFallbackError` instead (docs/design.md, "Invariants"). Not an
+error by default: a model that trains in eager should still train when one graph uses something no
+executor handles yet.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """Capture for models that differentiate inside forward (`torch.autograd.grad(..., create_graph=True)`,
-e.g. forces = -dE/dpositions in an interatomic potential).
+e.g. forces = -dE/dpositions): the forward is traced with `make_fx` through the inner gradient, since
+Dynamo breaks the graph there (docs/design.md, "Stages").
 
-Dynamo breaks the graph at `autograd.grad`, and AOTAutograd cannot differentiate a graph that calls
-it. Instead, the forward is traced with `make_fx`, which runs the autograd engine on fake tensors and
-records the inner gradient computation as ordinary ATen ops: the forces become an explicit graph that
-AOTAutograd differentiates again for the parameters (double backward), and that executors compile.
-
-The trap: the engine hands saved activations to backward formulas through `aten.detach`, so the
-traced graph cuts the dependence of the forces on the parameters there, and differentiating it gives
-plausible but wrong parameter gradients. In eager, `create_graph=True` keeps that dependence; so those
-detaches are removed. Detaches the user wrote are marked while tracing and kept.
+The trap: the engine hands saved activations to backward formulas through `aten.detach`, which would
+cut the dependence of the forces on the parameters and give plausible but wrong parameter gradients.
+Those detaches are removed; detaches the user wrote are marked while tracing and kept.
 """
 from __future__ import annotations
 

@@ -29,14 +29,11 @@ class Replaced:
 
 def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
           device: torch.device | None = None) -> dict[str, Replaced]:
-    """Replaces the parameters the transforms claim by light placeholders of the same shape, dtype and
-    device, so the original module still captures; returns what replaced them. Where several
-    transforms claim one parameter they apply as a chain, in the order given (`transforms.chain`).
-    Everything is checked (chains compose, no transform refuses, the file holds every claimed
-    tensor) before any parameter changes, so an error leaves the model as it was.
-
-    `reader` (an open safetensors file) supplies the values: a transform reads only the slices it
-    keeps (`encode_slices`), never the whole tensor, cast to the parameter's dtype (with a warning)."""
+    """Replaces the parameters the transforms claim (several as a chain, `transforms.chain`) by light
+    stand-ins of the same shape, dtype and device, so the original module still captures; returns what
+    replaced them. Everything is checked before any parameter changes, so an error leaves the model
+    as it was. `reader` (an open safetensors file) supplies the values, read slice by slice
+    (`encode_slices`) and cast to the parameter's dtype (with a warning)."""
     claimed = _claimed(model, transforms)
     if reader is not None:
         keys = set(reader.keys())

@@ -1,8 +1,6 @@
-"""`pipeline.profile(cm, *args)`: time spent in each region, from the torch profiler.
-
-Each compiled region runs inside a named range (`region3:inductor`), so its time shows in the
-profiler's table and, with `chrome_trace=path`, in a chrome://tracing / Perfetto timeline.
-A region's time is its kernels' device time when it ran on the GPU, else its host time.
+"""`pipeline.profile(cm, *args)`: time spent in each region, from the torch profiler: each compiled
+region runs inside a named range (`region3:inductor`), so its time also shows in a `chrome_trace`
+timeline. A region's time is its kernels' device time when it ran on the GPU, else its host time.
 """
 from __future__ import annotations
 

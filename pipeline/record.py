@@ -40,17 +40,13 @@ class GraphRecord:
         return trace
 
 
-def dump_dir() -> str:
-    """The folder `PIPELINE_DEBUG=1` writes traces to: `PIPELINE_DUMP_DIR`, or ./pipeline_dump/<pid>."""
-    root = os.environ.get("PIPELINE_DUMP_DIR") or os.path.join(os.getcwd(), "pipeline_dump")
-    path = os.path.join(root, str(os.getpid()))
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
 def dump(trace: Trace, index: int) -> str:
+    """Writes the trace where `PIPELINE_DEBUG=1` keeps them: <`PIPELINE_DUMP_DIR` or ./pipeline_dump>/<pid>."""
+    root = os.environ.get("PIPELINE_DUMP_DIR") or os.path.join(os.getcwd(), "pipeline_dump")
+    folder = os.path.join(root, str(os.getpid()))
+    os.makedirs(folder, exist_ok=True)
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", trace.name)
-    path = os.path.join(dump_dir(), f"{safe}.{index:02d}.{_slug(trace)}.py")
+    path = os.path.join(folder, f"{safe}.{index:02d}.{_slug(trace)}.py")
     with open(path, "w") as f:
         f.write(python_source(trace))
     return path

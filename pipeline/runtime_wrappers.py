@@ -1,15 +1,11 @@
-"""Runtime wrappers: small objects around the compiled code, applied as an ordered chain.
-
-Each has a `pre_compile` (changes what is compiled: the trace and its example inputs) and a
-`post_compile` (changes what runs: wraps the compiled callable). `metadata()` is everything
+"""Runtime wrappers (docs/design.md, "Stages"): small objects around the compiled code, applied as an
+ordered chain, as AOTAutograd's `CompilerWrapper`s are. `pre_compile` changes what is compiled (the trace
+and its example inputs), `post_compile` wraps the compiled callable; `metadata()` is everything
 `post_compile` needs, and exactly what a cache entry stores to rebuild the wrapper (`from_metadata`).
-The design is AOTAutograd's `CompilerWrapper` (torch/_functorch/_aot_autograd/runtime_wrappers.py);
-AOTAutograd's own wrappers (input mutations, aliased outputs, detach of saved tensors, RNG state)
-stay inside `aot_module_simplified` and are rebuilt by it on every compile, cache hits included.
 
     wrappers = graph_wrappers(state)
-    trace, inputs = pre_compile_all(wrappers, trace, inputs)    # first to last
-    fn = post_compile_all(wrappers, compiled)                   # last to first: the first is outermost
+    trace, inputs = pre_compile_all(wrappers, trace, inputs, record)    # first to last
+    fn = post_compile_all(wrappers, compiled)                           # last to first: the first is outermost
 """
 from __future__ import annotations
 
@@ -37,10 +33,9 @@ class RuntimeWrapper:
 
 
 class ModelTransformInputs(RuntimeWrapper):
-    """Model-changing transforms (quantize, fsdp): the captured graph reads the original parameters,
-    the compiled code reads the transforms' tensors. pre_compile rewrites the trace to take them;
-    post_compile feeds them in place of the originals. Metadata: for each captured input, the
-    qualified name of the parameter it replaces, or None."""
+    """Model-changing transforms (quantize, fsdp): pre_compile rewrites the trace to read the transforms'
+    tensors, post_compile feeds them in place of the original parameters. Metadata: for each captured
+    input, the qualified name of the parameter it replaces, or None."""
 
     def __init__(self, replaced: dict, qualnames: Optional[list] = None):
         self.replaced = replaced

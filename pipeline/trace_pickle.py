@@ -1,12 +1,8 @@
-"""A stage's graph as bytes, for the warm start: torch's GraphPickler, minus what costs and is unused.
-
-Two things made a 16-layer stage slow to write and read (most of the cache's own seconds):
-torch describes every fake tensor in full (`MetaTensorDesc`: ~40 fields, rebuilt through the meta
-converter), and every node carries debug metadata (source lines, module paths, the nodes it came
-from). Here a plain fake tensor (static sizes, strided, no autograd, no subclass) is stored as its
-sizes, strides, offset, dtype, device and an id of its storage: tensors that shared memory share
-it again after loading (dispatch's donation decisions read that), each a view of one byte buffer
-per storage. Anything else goes through torch's own description. Debug metadata is left out.
+"""A stage's graph as bytes, for the warm start: torch's GraphPickler, minus what costs and is unused
+(docs/cache.md). A plain fake tensor (static sizes, strided, no autograd, no subclass) is stored as its
+sizes, strides, offset, dtype, device and an id of its storage, so tensors that shared memory share it
+again after loading (dispatch's donation decisions read that); anything else goes through torch's own
+description. Debug metadata is left out.
 """
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""A warm start without lowering: AOTAutograd's own cache entry, kept in our cache.
-
-On a cold compile, AOTAutograd is asked to make the entry its `AOTAutogradCache` would store
-(`bundled_autograd_cache`: the compiled stages are kept whole, as `StageCode` objects): its
-runtime metadata (views, mutations, which forward outputs the backward saves), its dispatch
-wrappers, and for each stage the trace that dispatch ran on. Nothing goes to torch's cache
-directory: the entry is handed to us (`record_entry`), pickled into the graph's cache entry, and
-sealed with this user's key like the rest of it.
-
-On a hit, `load_entry` rebuilds the compiled function with AOTAutograd's own loader
-(`deserialize_bundled_cache_entry`): no tracing, no functionalization, no partitioning, no passes.
-Each stage's trace goes through dispatch again, which loads its regions from the artifact cache,
-so the result checks, the region table and CUDA-graph recording are the ones a cold compile makes.
-
-Only graphs of static shapes with no parameters of their own take this path; the others (and any
-entry that does not load) compile as before, the reason noted in the record.
+"""A warm start without lowering: AOTAutograd's own cache entry (`bundled_autograd_cache`), kept in
+our cache and sealed with the rest of the graph's entry (docs/cache.md, "A hit starts warm").
+`record_entry` takes the entry on a cold compile; `load_entry` rebuilds the compiled function on a hit.
 """
 from __future__ import annotations
 
@@ -38,9 +25,8 @@ _LOADER: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("pi
 
 
 class StageCode(OutputCode):
-    """One compiled stage as AOTAutograd sees it: called on its argument list (boxed). Pickles as
-    the trace dispatch ran on (its graph with fake values, `trace_pickle`) and the
-    fingerprint of the lowered trace it came from; loading dispatches that trace again."""
+    """One compiled stage as AOTAutograd sees it (boxed). Pickles as the trace dispatch ran on (`trace_pickle`)
+    and the fingerprint of the lowered trace it came from; loading dispatches that trace again."""
 
     def __init__(self, run: Callable, stage: str, trace: Trace, donated: list, lowered: str):
         self._boxed_call = True  # an instance attribute: wrappers (functools.wraps) copy __dict__ only
@@ -102,11 +88,10 @@ def why_not(gm: fx.GraphModule, example_inputs) -> Optional[str]:
 
 @contextlib.contextmanager
 def record_entry(key: str, on_entry: Callable[[bytes, float], None], on_failure: Callable[[str], None]):
-    """While compiling with `aot_module_simplified`: AOTAutograd makes its bundled cache entry for
-    this graph and hands it to `on_entry` (pickled, with the seconds pickling took) instead of its
-    own cache, or says to `on_failure` why it could not (the graph still compiles; a hit lowers it
-    again). The backward compiles with the forward (not lazily), so the entry is complete when this
-    block ends. Only the outermost AOTAutograd compile is stored: one an executor runs inside it is not."""
+    """While compiling with `aot_module_simplified`: AOTAutograd hands its bundled cache entry for this
+    graph to `on_entry` (pickled, with the seconds pickling took), or says to `on_failure` why it could
+    not. The backward compiles with the forward (not lazily), so the entry is complete when this block
+    ends. Only the outermost AOTAutograd compile is stored, not one an executor runs inside it."""
     from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     from torch._functorch._aot_autograd.schemas import AOTAutogradCacheInfo

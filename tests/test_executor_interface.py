@@ -55,7 +55,9 @@ def test_default_claims_op_reads_the_executors_table():
 def test_built_in_executors_opt_into_the_capabilities_they_implement():
     assert isinstance(executors.torch, Cacheable) and isinstance(executors.inductor, Cacheable)
     assert isinstance(executors.te, PerModel) and isinstance(executors.te, PreparesGraph)
-    assert not isinstance(executors.te, Cacheable)
+    # every built-in one is cacheable: te and nvfuser store nothing and rebuild from the region graph
+    assert isinstance(executors.te, Cacheable) and isinstance(executors.nvfuser, Cacheable)
+    assert not isinstance(executors.nvfuser, PerModel)
     # the pipeline calls `before_call` only for executors that override it (a Python call per step)
     assert type(executors.inductor).before_call is Executor.before_call
     assert type(executors.te).before_call is not Executor.before_call

@@ -1,12 +1,5 @@
-"""Trace passes: pure `Trace -> Trace` functions that say where in the pipeline they run.
-
-    before_autodiff  on the captured torch-level trace, before AOTAutograd derives the backward
-                     (mixed precision: casts must exist before the backward is derived)
-    joint            on the joint forward+backward graph, before it is partitioned (checkpointing)
-    after_autodiff   on each lowered forward, backward and inference trace (offload, DCE/CSE)
-
-A pass returns a new trace and never edits its input: start from `trace.editable()` and finish with
-`trace.derive(gm, by=name)`.
+"""Trace passes: pure `Trace -> Trace` functions that say where in the pipeline they run (`STAGES`;
+docs/passes.md, "Writing a pass").
 """
 from __future__ import annotations
 

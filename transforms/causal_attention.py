@@ -1,13 +1,8 @@
 """`causal_attention()`: attention handed an explicit causal mask runs with `is_causal=True` instead.
 
-Traced, Hugging Face's models (transformers 5.17's `sdpa_mask`) build their causal mask as a tensor
-and pass it to SDPA with `is_causal=False` and k/v repeated per head, which keeps SDPA off the flash
-and cuDNN kernels that skip the blocks above the diagonal (eager HF leaves the mask out). This pass
-computes each mask that depends on no graph input once, at compile time, and where it is SDPA's
-causal mask (`ones(L, S).tril()`: booleans, or 0 / -inf / the dtype's lowest added to the scores) in
-every batch and head, drops it and sets the flag; `grouped_kv_attention` then removes the repeats.
-Left alone: masks read from an input (padding), written in place (also through a view), broadcasting
-the output further, over `_LARGEST` bytes, or of symbolic sizes (docs/passes.md).
+Each SDPA mask that depends on no graph input is computed once, at compile time; where it is SDPA's
+causal mask in every batch and head, it is dropped and the flag set. Why (traced Hugging Face models),
+and which masks are left alone: docs/passes.md, "Built in: the default passes".
 """
 from __future__ import annotations
 
@@ -79,9 +74,8 @@ def _causal_by_flag(m: Match) -> None:
 
 
 def _fits(mask, query, key) -> bool:
-    """Whether a mask of this fake value could be SDPA's causal one for `query` and `key` (checked
-    before computing it): [.., L, S] of static sizes, bool or float, its leading dims 1 or the query's
-    (a larger one would broadcast the output to more batches or heads than the flag gives)."""
+    """Whether a mask of this fake value could be SDPA's causal one for `query` and `key`: [.., L, S] of
+    static sizes, bool or float, its leading dims 1 or the query's (not broadcasting the output)."""
     if not all(isinstance(t, torch.Tensor) and all(isinstance(d, int) for d in t.shape) for t in (mask, query, key)) \
             or query.dim() != 4 or key.dim() != 4 or not 2 <= mask.dim() <= 4 or mask.device.type == "meta":
         return False
@@ -117,9 +111,8 @@ def _constant(gm: fx.GraphModule, node: fx.Node) -> Optional[torch.Tensor]:
 
 
 def _ancestors(node: fx.Node) -> Optional[list[fx.Node]]:
-    """The nodes `node` is computed from, in graph order; None unless each is a call (no graph
-    input), without side effects, no random draw nor uninitialized memory, no tensor over `_LARGEST`
-    bytes, and nothing in the graph writes into one of them or a view of one."""
+    """The nodes `node` is computed from, in graph order; None unless each is a call without side
+    effects, random draws or uninitialized memory, of at most `_LARGEST` bytes, never written into (nor a view)."""
     seen, work = {node}, [node]
     while work:
         n = work.pop()

@@ -1,13 +1,6 @@
-"""`chain(a, b, ...)`: model transforms applied one after another, itself a model transform.
-
-`transforms=[quantize("int8"), fsdp()]` is the chain `quantize → fsdp`: on a parameter both apply to,
-quantize encodes the weight into `q` and `scale`, then fsdp shards each of those (suffixes `q.shard`,
-`scale.shard`). Decoding runs the chain backwards (gather, then dequantize) and the trace rebuild
-nests the same way. A parameter only some parts apply to gets the chain of those parts (`for_parameter`).
-
-Two transforms compose when the later one can encode every tensor the earlier one produces and keeps
-no state of its own in the state dict (its extra state would describe intermediate tensors, not the
-original model). Anything else is an error naming the parameter, both transforms and why.
+"""`chain(a, b, ...)`: model transforms applied one after another, itself a model transform (docs/passes.md,
+"Chains"). Two transforms compose when the later one can encode every tensor the earlier one produces and
+keeps no state of its own in the state dict (its extra state would describe intermediate tensors).
 """
 from __future__ import annotations
 

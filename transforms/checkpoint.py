@@ -1,15 +1,6 @@
-"""`checkpoint(policy)`: activation checkpointing, as tags on the joint graph.
-
-Runs on the joint forward+backward graph before it is partitioned. It marks each forward op
-`MUST_SAVE` (kept from forward to backward) or recompute (done again in backward), in the
-`node.meta["recompute"]` tags AOTAutograd's min-cut partitioner honours — the same tags
-`torch.utils.checkpoint`'s selective policies produce.
-
-    "full"       recompute every forward op; only the graph inputs are saved
-    "selective"  save matmul / convolution / attention outputs, recompute pointwise ops and norms
-    predicate    `policy(node) -> bool`, True to save that op's output
-
-Random ops are always saved: recomputing them would draw new numbers.
+"""`checkpoint(policy)`: activation checkpointing as the `node.meta["recompute"]` tags AOTAutograd's
+min-cut partitioner honours (those of `torch.utils.checkpoint`'s selective policies), set on the joint
+graph's forward ops. The policies: docs/passes.md, "Training passes".
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""`cpu_offload()`: saved activations wait for the backward in CPU memory instead of the device's.
-
-Runs after autodiff. On the forward trace, every saved activation (a forward output kept for
-backward that is not a graph input) of at least `min_bytes` is copied to the CPU at the end of the
-forward — into pinned memory, asynchronously, when it lives on CUDA. On the backward trace the same
-values (AOTAutograd names them alike on both sides) arrive on the CPU and are copied back to their
-device right before their first use (forward and backward list the saved values in the same
-order, so both sides pick the same ones by the same rule). Both copies are ordinary `aten._to_copy` ops in the traces.
+"""`cpu_offload()`: saved activations wait for the backward in CPU memory (docs/passes.md). The
+forward and backward traces list the saved values in the same order, so both sides pick the same ones
+by the same rule; both copies are ordinary `aten._to_copy` ops in the traces.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""`fsdp(process_group=None)`: fully sharded data parallelism over `torch.distributed` (docs/passes.md).
-
-Each rank holds and trains only its dim-0 shard of every trainable parameter. The trace all-gathers a
-parameter (functional collectives, so it stays a graph op) right before its use; the all-gather's
-backward reduce-scatters the gradient, averaged over ranks (each rank's loss is the mean over its part
-of the batch). A joint-graph pass marks the all-gathers for recomputation, so no full parameter is
-kept from forward to backward.
+"""`fsdp(process_group=None)`: fully sharded data parallelism over `torch.distributed`: each rank
+holds and trains its dim-0 shard of every trainable parameter (docs/passes.md, "Model-changing transforms").
 """
 from __future__ import annotations
 
@@ -96,8 +91,7 @@ class FSDP(ModelTransform):
 
 
 def regather_in_backward(trace: Trace) -> Trace:
-    """Marks the ops that rebuild full parameters from shards for recomputation, so the backward
-    gathers again instead of keeping the full parameter alive from forward."""
+    """Marks the ops rebuilding full parameters from shards for recomputation: the backward gathers again."""
     gm = trace.editable()
     shards = {n for n, spec in zip(gm.graph.nodes, trace.inputs)
               if n.op == "placeholder" and spec.qualname and spec.qualname.endswith(".shard")}

@@ -1,15 +1,9 @@
 """`group_linears()`: linears that read the same input (q/k/v, gate/up) become one linear on their
-stacked weights: fewer, larger GEMMs and, with fp8 (`te`), one cast of the shared input instead of
-one per linear (when it pays: docs/passes.md).
+stacked weights, the output split along its last dim (when it pays: docs/passes.md).
 
-The weights are concatenated in the trace on every call (a copy of the group's weights; autodiff
-splits the gradient back), and again in the backward where its GEMM needs them: the partitioner would
-otherwise keep the copy alive from forward to backward, a second copy of every grouped weight (0.9 GiB
-on the 1B Llama in bf16; `recompute` tag, as activation checkpointing sets). The output is split along
-its last dim, so results equal the separate linears up to GEMM rounding; a piece the model `.view()`s
-in a way a strided slice cannot be viewed (merging its last dim) is copied contiguous first. Runs
-before autodiff; with `te` listed, ask TE for it instead (`te.options(group_linears=True)`): TE swaps
-the linears before the passes run, so the pipeline runs this pass just before TE's `prepare`.
+The stacked weights are tagged `recompute`, so the backward concatenates them again rather than the
+partitioner keeping a second copy of every grouped weight alive (0.9 GiB on the 1B Llama in bf16). A
+piece the model `.view()`s in a way a strided slice cannot be viewed is copied contiguous first.
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""`grouped_kv_attention()`: attention reads grouped keys/values directly instead of copies repeated
-to every query head.
-
-Grouped-query attention models (Llama's 8 k/v heads for 32 query heads) often repeat k and v to every
-head before SDPA (`k.repeat_interleave(n, dim=1)`, or Hugging Face's `repeat_kv`): n copies of k and v
-written in the forward, their gradients summed in the backward. SDPA's `enable_gqa=True` gives each
-query head its group's k/v inside the kernel (the same grouping, so results match): 6-11% less time
-per layer, forward + backward, on the H200 (docs/passes.md, `benchmarks/sdpa_gpu.py`).
+"""`grouped_kv_attention()`: attention reads grouped keys/values directly (`enable_gqa=True`) instead
+of copies repeated to every query head (`k.repeat_interleave(n, dim=1)`, or Hugging Face's `repeat_kv`).
 
 Applied only where it can only win (`_can_win`, the guard of this one-rule `ir.rewrite`): attention in
-half precision on the devices given (CUDA by default); in fp32 no fused CUDA kernel of torch 2.11 takes
-grouped k/v (memory-efficient attention declined them on the H200), and SDPA would fall back to its
-math path, materializing the attention matrix.
+half precision on the devices given; why, and what it gains: docs/passes.md, "Built in: the default passes".
 """
 from __future__ import annotations
 
@@ -19,7 +11,6 @@ from typing import Optional, Sequence
 import operator
 
 import torch
-import torch.fx as fx
 
 from ir import Trace, node_value
 from ir.torch_ops import SDPA, SDPA_PARAMS, erase_unread, writes_into
@@ -49,9 +40,7 @@ def _repeated(x: str) -> Either:
             | Call(("reshape", "view"), ("input", "*shape"), x + "_repeat", input=expanded))
 
 
-# SDPA on repeated k and v, not yet grouped, with no mask: no fused kernel takes grouped k/v and a
-# mask together (flash and cuDNN take no mask, memory-efficient attention no grouped k/v), SDPA's math
-# path would (`causal_attention`, which runs first, turns a causal mask into the flag)
+# SDPA on repeated k and v, not yet grouped, with no mask (no fused kernel takes grouped k/v and a mask)
 ATTENTION_ON_REPEATS = Call(
     SDPA, SDPA_PARAMS, query="q", key=_repeated("k"), value=_repeated("v"), enable_gqa=lambda gqa: not gqa, attn_mask=lambda mask: mask is None)
 

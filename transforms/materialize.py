@@ -1,10 +1,6 @@
-"""`materialize(checkpoint=None)`: a model built on the `meta` device gets real storage at jit time
-(docs/passes.md). Each module whose parameters or buffers are on `meta` is given empty storage on
-`device` (`to_empty`) and initialised by its own `reset_parameters()` (its init code) — or, with
-`checkpoint` (a safetensors path), every tensor of the state dict is read from the file one at a time
-through safetensors' lazy slices, never the whole file into memory (modules with non-persistent
-buffers still run their init for those). With a checkpoint the file's values are loaded even into
-tensors not on `meta`. A module left with values nothing initialises is an error.
+"""`materialize(checkpoint=None)`: a model built on the `meta` device gets real storage at jit time, from
+its modules' own `reset_parameters()` or a safetensors checkpoint read tensor by tensor (docs/passes.md).
+With a checkpoint the file's values are loaded even into tensors not on `meta`.
 """
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """`mixed_precision(dtype)`: compute in bf16/fp16 with fp32 master parameters, op by op as
-`torch.autocast` would.
+`torch.autocast` would (docs/passes.md, "Training passes").
 
-Runs before autodiff on the captured trace: it wraps the whole program in an autocast region (the
-same `_enter_autocast` / `_exit_autocast` nodes Dynamo records for a `with torch.autocast(...)`
-block). Lowering then applies autocast's own op policy at the dispatcher, so the lowered trace
-shows every cast explicitly, and the backward derived from it carries gradients back to the fp32
-parameters through those casts.
-
-One difference from eager autocast: Python code that reads a dtype while tracing (`t.to(x.dtype)`)
-was specialized at capture, before this pass, so it sees fp32 where eager autocast would see bf16.
-Such values stay in fp32 until the next op autocast casts (more precise, not bit-identical).
-fp16 needs loss scaling: `torch.amp.GradScaler` works unchanged (docs/passes.md).
+It wraps the captured program in an autocast region (the `_enter_autocast` / `_exit_autocast` nodes
+Dynamo records for a `with torch.autocast(...)` block); lowering applies autocast's op policy, so the
+lowered trace shows every cast and the backward reaches the fp32 parameters through them.
 """
 from __future__ import annotations
 

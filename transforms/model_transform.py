@@ -1,9 +1,6 @@
-"""`ModelTransform`: a transform that changes parameters and the graph together (stage 2;
-docs/passes.md). Dynamo still captures the original module; the transform replaces some parameters
-by new tensors (`encode`), rewrites the captured trace to rebuild the original values from them
-(`rebuild`), and maps state dicts both ways (`decode`, `encode`). A transform that holds only some
-rows (dim 0) of a parameter on this rank (FSDP) says which (`row_shard`) and converts between those
-rows and its tensors (`from_rows` / `local_rows`), so sharded checkpoints save and load each rank's rows.
+"""`ModelTransform`: a transform that changes parameters and the graph together (docs/passes.md,
+"Model-changing transforms"). A transform holding only some rows (dim 0) of a parameter on this rank
+(FSDP) says which (`row_shard`), so sharded checkpoints save and load each rank's rows.
 """
 from __future__ import annotations
 
@@ -24,17 +21,14 @@ class ModelTransform:
         raise NotImplementedError
 
     def refuses(self, module: torch.nn.Module, param: torch.Tensor) -> Optional[str]:
-        """Why this transform will not replace `param` of `module`, or None. One whose new tensors are
-        frozen refuses a module in train() mode: only the parameters it leaves alone would train.
-        (`requires_grad` alone is no refusal: every parameter has it by default, and a later fsdp
-        in a chain shards only parameters that require grad.)"""
+        """Why this transform will not replace `param` of `module`, or None: one whose new tensors are
+        frozen refuses a module in train() mode (`requires_grad` alone is no refusal: it is the default)."""
         if not self.trainable and module.training:
             return "its module is in train() mode"
         return None
 
     def cannot_encode(self, value: torch.Tensor) -> Optional[str]:
-        """Why `value` (a meta tensor: shape and dtype) cannot be encoded, or None. Checked on the
-        tensors an earlier transform of a chain hands over."""
+        """Why `value` (a meta tensor) cannot be encoded, or None; checked on what a chain hands over."""
         return None
 
     def encode(self, value: torch.Tensor, like: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
@@ -43,8 +37,8 @@ class ModelTransform:
         raise NotImplementedError
 
     def encode_slices(self, source, original: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`encode` for a parameter still on the meta device, read from a safetensors slice `source`
-        (`source[a:b]` reads rows a..b): only this rank's rows when it holds a row shard."""
+        """`encode` from a safetensors slice `source` (`source[a:b]` reads rows a..b), reading only this
+        rank's rows when it holds a row shard."""
         rows = self.row_shard(original)
         if rows is None:
             return self.encode(source[:])
@@ -55,8 +49,7 @@ class ModelTransform:
         raise NotImplementedError
 
     def rebuild(self, graph: fx.Graph, inputs: dict[str, fx.Node], original: torch.Tensor) -> fx.Node:
-        """Inserts (at the graph's current insertion point) the torch-level ops computing the original
-        value from the new tensors' placeholders; sets their metadata."""
+        """Inserts (at the insertion point) the torch-level ops computing the original value, with metadata."""
         raise NotImplementedError
 
     def passes(self) -> list:

@@ -1,6 +1,5 @@
-"""`quantize("int8" | "fp8")`: weight-only quantization of linear weights, for inference (formats and
-state dicts: docs/passes.md). The trace dequantizes the weights right before use (`weight.to(f32) *
-scale`), never once at load time, so a region executor may fuse the dequantize into its kernels.
+"""`quantize("int8" | "fp8")`: weight-only quantization of linear weights, for inference, dequantized in
+the trace right before use (`weight.to(f32) * scale`) for executors to fuse (docs/passes.md).
 """
 from __future__ import annotations
 
