@@ -3,8 +3,9 @@
 A region that two or more listed executors can take whole is compiled by each (`Race`); at its
 first call every candidate runs on that call's inputs — a warm-up, then the median of a few timed
 runs (CUDA events on a GPU, wall time on the CPU) — and the fastest runs the region from then on.
-A candidate listed earlier wins when within noise of the fastest: `NOISE` of its time, or
-the runs' own spread (twice the sum of both median absolute deviations), whichever is larger. Identical regions share one
+A candidate listed earlier wins when within noise of the fastest: `NOISE` of its time, or twice
+both runs' spreads (median absolute deviations) when larger, but never more than `MAX_TIE` of it
+(a slow candidate's noisy runs do not make it a tie). Identical regions share one
 race, so each kind of region is measured once. The times go into `Region.race` (the region table
 shows them) and the choice into the compiled-artifact cache, so a warm start does not measure again.
 
@@ -28,6 +29,7 @@ from .base import Executor
 from .graph_utils import donated_inputs
 
 NOISE = 0.05  # a listed-earlier candidate within 5% of the fastest is kept: timing noise, not a win
+MAX_TIE = 0.2  # however noisy the fastest's runs, a candidate 20% slower is slower
 WARMUP, RUNS = 1, 5
 
 
@@ -83,9 +85,9 @@ class Race:
             for r in self.regions:
                 r.fallback_reason = "; ".join(filter(None, [r.fallback_reason, *failed])) or None
         best = min(times, key=times.get, default=None)
-        name = next((n for n, ms in times.items()
-                     if ms - times[best] <= max(NOISE * times[best], 2 * (spread[n] + spread[best]))),
-                    next(iter(self.candidates)))
+        name = next((n for n, ms in times.items() if ms - times[best] <= min(
+            max(NOISE * times[best], 2 * (spread[n] + spread[best])), MAX_TIE * times[best])),
+            next(iter(self.candidates)))
         self.chosen = self.candidates[name]
         self.candidates = {name: self.chosen}  # the others' compiled code is not kept
         for r in self.regions:

@@ -95,6 +95,25 @@ def test_a_tie_within_noise_keeps_the_listed_order():
     assert raced and all(r.executor == "first" for r in raced), str(pipeline.regions(cm))
 
 
+def test_a_slow_candidate_with_noisy_runs_is_not_a_tie():
+    """Listed first, a candidate whose runs take 10-50 ms (median 30, spread 20) against one of ~0 ms:
+    its spread does not make it "within noise" of the fast one."""
+    class Noisy(Slow):
+        def compile_region(self, gm, example_inputs):
+            sleeps = iter([0.01, 0.05, 0.01, 0.05, 0.03, 0.05, 0.03] * 10)
+
+            def run(*args):
+                self.calls += 1
+                time.sleep(next(sleeps))
+                return gm(*args)
+            return run
+    cm = pipeline.jit(TwoParts(), executors=[Noisy("noisy", ()), Slow("fast", ())], autotune=True)
+    with torch.no_grad():
+        cm(torch.randn(4, 8))
+    raced = [r for r in pipeline.regions(cm) if r.race]
+    assert raced and all(r.executor == "fast" for r in raced), str(pipeline.regions(cm))
+
+
 def test_training_step_matches_eager_and_races_the_backward():
     mul_slow, add_slow = Slow("mul_slow", {aten.mul.Tensor}, 0.005), Slow("add_slow", {aten.add.Tensor}, 0.005)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
