@@ -1,12 +1,8 @@
 """The `nvfuser` executor: runs a region of ATen ops as one nvFuser `FusionDefinition`.
 
-It claims the ops of `nvfuser_ops.CLAIMS` (its translation table: what nvFuser fuses well,
-docs/executors.md) for nodes whose tensors are all on its device in a dtype nvFuser takes, and leaves
-matmuls, attention, indexing and resizing (slice, cat) to the executors after it. nvFuser can fuse
-slices and concatenations, but measured on the H200 (nvFuser 0.2.36, a 4-layer Llama) its resize
-kernels for RoPE and the q/k/v head split ran 4-10x over their memory-traffic bound and doubled the
-regions' compile time (25 s -> 10 s without them, kernel time no worse). Sizes are symbolic (-1)
-except size-1 dims, so a new batch size reuses the definition; definitions are cached per input
+It claims the ops of `nvfuser_ops.CLAIMS` for nodes whose tensors are all on its device in a dtype
+nvFuser takes; matmuls, attention, indexing and resizing (slice, cat: measured slower, docs/executors.md)
+go to the executors after it. Sizes are symbolic except size-1 dims; definitions are cached per input
 signature (dtype, rank, contiguity, size-1 pattern). Here: the executor, its runner, the fusion cache.
 """
 from __future__ import annotations
