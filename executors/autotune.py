@@ -1,17 +1,10 @@
-"""Executors chosen by measured time (`pipeline.jit(..., autotune=True)`).
+"""Executors chosen by measured time (`pipeline.jit(..., autotune=True)`; docs/executors.md).
 
-A region that two or more listed executors can take whole is compiled by each (`Race`); at its
-first call every candidate runs on that call's inputs — a warm-up, then the median of a few timed
-runs (CUDA events on a GPU, wall time on the CPU) — and the fastest runs the region from then on.
-A candidate listed earlier wins when within noise of the fastest: `NOISE` of its time, or twice
-both runs' spreads (median absolute deviations) when larger, but never more than `MAX_TIE` of it
-(a slow candidate's noisy runs do not make it a tie). Identical regions share one
-race, so each kind of region is measured once. The times go into `Region.race` (the region table
-shows them) and the choice into the compiled-artifact cache, so a warm start does not measure again.
-
-Measuring must not change what the step computes: inputs a candidate may overwrite (donated saved
-activations) are copied for each timed run, the RNG state is restored afterwards, and a region that
-writes into its inputs is not raced (a second run would write again).
+A region more than one listed executor can take whole is compiled by each (`Race`); at its first
+call each candidate runs on that call's inputs (a warm-up, then the median of `RUNS`) and the
+fastest runs it from then on; one listed earlier wins a tie within noise. Measuring must not change
+what the step computes: donated inputs are copied per run, the RNG state is restored, and a region
+writing into its inputs is not raced.
 """
 from __future__ import annotations
 

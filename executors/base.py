@@ -149,8 +149,7 @@ class PreparesGraph(Executor):
 
 
 def library_version(module: str) -> str:
-    """`module`'s version and the GPU's compute capability, for the `cache_token` of an executor
-    whose compiled code depends on both ("none" where missing)."""
+    """`module`'s version and the GPU's compute capability, for an executor's `cache_token`."""
     import importlib
     try:
         version = getattr(importlib.import_module(module), "__version__", "unknown")

@@ -42,8 +42,7 @@ class NvFuserExecutor(Cacheable):
         return all(t.device.type == self.device and t.dtype not in NO_NVFUSER_DTYPES
                    for t in tensors if isinstance(t, torch.Tensor))
 
-    # nvfuser_direct cannot serialize a compiled fusion (docs/cache.md says why): a cached
-    # region is rebuilt from its graph, which skips none of nvFuser's own compile, only ours.
+    # nvfuser_direct cannot serialize a fusion (docs/cache.md): a cached region is rebuilt from its graph
     def cache_token(self) -> str:
         return f"nvfuser {library_version('nvfuser_direct')} device={self.device}"
 

@@ -142,9 +142,8 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     `on_fallback(message)` is told when a region's result, at its first call, is not what its
     trace says and the region moves to the next executor (default: a `PipelineFallbackWarning`).
 
-    `autotune(seconds)`, when given, turns on `executors/autotune.py`: regions more than one of
-    `executors` can take are raced at their first call, which then reports what measuring took
-    (after putting the choice into `artifacts`)."""
+    `autotune(seconds)`, when given, races regions more than one of `executors` takes (autotune.py);
+    it is told what measuring took once a choice is in `artifacts`."""
     gm = trace.editable()
     steps: list[Step] = []
 
@@ -246,8 +245,7 @@ class _RegionBuilder:
         return fn
 
     def _race(self, fn, source, region: Region, key: Optional[str]) -> Optional[Race]:
-        """The region's compiled code (`fn`, by `region.executor`) racing every other listed executor
-        that takes the whole region, or None when there is nothing to race."""
+        """`fn` (by `region.executor`) racing the executors listed after it that take the whole region."""
         names = [e.name for e in self.listed]  # those before region.executor declined it already
         if region.executor not in names or why_not_raced(source):
             return None

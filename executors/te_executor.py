@@ -207,8 +207,7 @@ class TEExecutor(Cacheable, PerModel, PreparesGraph):
         return (f"te {library_version('transformer_engine')} fp8={self.use_fp8} recipe={self.recipe!r} "
                 f"group_linears={self.group_linears}")
 
-    # Nothing compiled to store: a cached region is rebuilt from its graph (fp8 scaling state lives
-    # in the model's state dict, not in the cache).
+    # Nothing compiled to store: rebuilt from the graph (fp8 scaling state is in the state dict)
     def save_region(self, fn) -> bytes:
         return b""
 

@@ -260,8 +260,7 @@ _changed: set = set()  # entries autotune added a choice to after they were writ
 
 
 def save_changed() -> None:
-    """Writes the entries autotune's choices went into since their last write (at each jitted
-    call, which follows the backward of the call before, and at exit)."""
+    """Writes the entries autotune's choices went into since written (at each jitted call, and at exit)."""
     while _changed:
         _changed.pop()._save()
 
@@ -340,8 +339,7 @@ class GraphCache:
             self._save()
 
     def changed(self) -> None:
-        """A raced region's choice went into `artifacts`: written by `save_changed` (or with the
-        entry's first write, when that is still to come)."""
+        """A raced region's choice went into `artifacts`: written by `save_changed` (or the first write)."""
         if self.wrapped:
             _changed.add(self)
 

@@ -115,8 +115,7 @@ class PipelineBackend:
                 check_built_in(trace, prepared, f"{executor.name}.prepare", record)
                 trace = record.add_trace(prepared)
                 rewrote.append(f"{executor.name}.prepare")
-        # A graph an executor's prepare rewrote may name this model's own state (TE's scaling handle):
-        # the stored lowering is loaded only for the very graph prepare made in this process.
+        # prepare's ops may name per-model state (TE's scaling handle): load only the very same graph
         if cache is not None and rewrote:
             cache.entry["prepared"] = trace.fingerprint()
         if cache is not None and cache.stored is not None and cache.stored.get("prepared") != cache.entry.get("prepared"):
@@ -254,7 +253,7 @@ class PipelineBackend:
         if self.state.config.cuda_graphs:
             fn = cuda_graphs.stage_callable(fn, trace, example_inputs, stage=stage, record=record,
                                             executors=self.state.config.executors)
-        return fn
+        return _timing_first_call(fn, record, stage)
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:
         for p in self.state.config.passes:
@@ -264,9 +263,26 @@ class PipelineBackend:
         return trace
 
 
+def _timing_first_call(fn: Callable, record: GraphRecord, stage: str) -> Callable:
+    """The boxed stage `fn`, its first call timed into `record.seconds["first call (<stage>)"]`
+    (kernels loaded on first launch, a CUDA graph's warm-up): not capture, not compile."""
+    def run(args: list):
+        if not calls:
+            return fn(args)
+        calls.pop()
+        start, measuring = time.perf_counter(), record.seconds.get("autotune", 0.0)
+        try:
+            return fn(args)
+        finally:  # autotune's measuring is counted as autotune's
+            measuring = record.seconds.get("autotune", 0.0) - measuring
+            record.seconds[f"first call ({stage})"] += time.perf_counter() - start - measuring
+    calls = [1]
+    run._boxed_call = True
+    return run
+
+
 def _raced(record: GraphRecord, cache: GraphCache | None, seconds: float) -> None:
-    """A raced region chose its executor at its first call (autotune): what measuring took, and
-    the cache entry, which now holds the choice, to be written again."""
+    """A raced region chose its executor (autotune): what measuring took; the entry holds the choice."""
     record.seconds["autotune"] += seconds
     if cache is not None:
         cache.changed()
