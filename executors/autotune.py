@@ -33,16 +33,15 @@ def why_not_raced(gm: fx.GraphModule) -> Optional[str]:
 
 
 class Race:
-    """One kind of region's candidates, compiled, until its first call picks one. `decided(name,
-    times, seconds)` is told the choice, the median milliseconds of each candidate and what
-    measuring took."""
+    """One kind of region's compiled candidates until its first call picks one; `decided(name, times,
+    seconds)` is told the choice, each candidate's median ms and what measuring took."""
 
     def __init__(self, candidates: Sequence[tuple[Executor, Callable]], region: Region, gm: fx.GraphModule,
-                 decided: Callable[[str, dict, float], None]):
+                 decided: Callable[[str, dict, float], None], problem: Callable[[object], Optional[str]]):
         self.candidates = dict((ex.name, fn) for ex, fn in candidates)
         self.regions = [region]  # the first region and its identical twins: all take the choice
         self.donated = donated_inputs(gm)
-        self.decided = decided
+        self.decided, self.problem = decided, problem  # problem(out): what is wrong with a result, or None
         self.chosen: Optional[Callable] = None
 
     def __call__(self, *args):
@@ -64,14 +63,14 @@ class Race:
         start = time.perf_counter()
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             times = {}  # never measured inside a CUDA-graph capture: the first listed runs
-        else:
-            devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
-            with torch.random.fork_rng(devices=devices):
+        else:  # every GPU's RNG is restored: a region may draw on one without reading from it
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else []):
                 times, spread, failed = {}, {}, []
                 for name, fn in self.candidates.items():
                     try:
-                        times[name], spread[name] = _median_ms(fn, args, self.donated, bool(devices))
-                    except Exception as e:  # a candidate that cannot run these inputs is not chosen
+                        times[name], spread[name] = _median_ms(fn, args, self.donated, cuda, self.problem)
+                    except Exception as e:  # a candidate failing on these inputs, or wrong, is not chosen
                         failed.append(f"{name} failed when timed: {type(e).__name__}: {str(e).strip()[:200]}")
             if not times:
                 raise RuntimeError(f"region {self.regions[0].id}: autotune: {'; '.join(failed)}")
@@ -88,9 +87,8 @@ class Race:
         self.decided(name, times, time.perf_counter() - start)
 
 
-def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool) -> tuple[float, float]:
-    """The median milliseconds of `fn` on `args` and their median absolute deviation; each run on
-    its own copy of the donated inputs."""
+def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem) -> tuple[float, float]:
+    """Median ms of `fn` on `args` and their median absolute deviation (donated inputs copied per run)."""
     def run_once() -> tuple[Callable, list]:
         fresh = list(args)
         for i in donated:
@@ -100,7 +98,8 @@ def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool) -> tupl
 
     for _ in range(WARMUP):
         run, a = run_once()
-        run(a)
+        if (wrong := problem(run(a))) is not None:
+            raise ValueError(wrong)
     times = []
     for _ in range(RUNS):
         run, a = run_once()

@@ -132,16 +132,11 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
              autotune: Optional[Callable[[float], None]] = None) -> Execution:
     """Assigns, partitions and compiles `trace`; see the module docstring.
 
-    `artifacts` (region key -> `RegionArtifact`), when given, is the compiled-artifact cache: a
-    region found there is rebuilt by its executor instead of compiled; a region compiled now is
-    added to it when its executor can store it.
-
-    `donated`: indices of the trace's inputs that nothing reads after this stage (AOTAutograd's
+    `artifacts` (region key -> `RegionArtifact`): the compiled-artifact cache, loaded from and filled.
+    `donated`: indices of the trace's inputs nothing reads after this stage (AOTAutograd's
     `bw_donated_idxs`: saved activations in a backward), marked by `mark_donated_inputs`.
-
-    `on_fallback(message)` is told when a region's result, at its first call, is not what its
-    trace says and the region moves to the next executor (default: a `PipelineFallbackWarning`).
-
+    `on_fallback(message)`: told when a region's first result is wrong and the region moves to the
+    next executor (default: a `PipelineFallbackWarning`).
     `autotune(seconds)`, when given, races regions more than one of `executors` takes (autotune.py);
     it is told what measuring took once a choice is in `artifacts`."""
     gm = trace.editable()
@@ -232,7 +227,7 @@ class _RegionBuilder:
                 self.loaded.add(region.id)
         if fn is None:
             fn, failed = _compile_with_fallback(source, region, self.by_name[ex_name], self.order, self.fallback)
-            race = self._race(fn, source, region, key) if self.autotune else None
+            race = self._race(fn, source, region, None if failed else key) if self.autotune else None
             if race is not None:
                 fn = race  # stored once its first call has chosen
             elif key is not None and not failed:
@@ -265,12 +260,14 @@ class _RegionBuilder:
             return None
 
         def decided(name: str, times: dict, seconds: float) -> None:
-            if key is not None:
-                _store(self.artifacts, key, race.chosen, source, region, self.by_name[name], [])
+            if key is not None and times:  # a choice made without measuring (in a capture) is not kept
+                self.artifacts.pop(key, None)
+                _store(self.artifacts, key, race.chosen, source, region, self.by_name[name], self.uncached)
                 if key in self.artifacts:
                     self.artifacts[key].race = times
             self.autotune(seconds)
-        race = Race(candidates, region, source, decided)
+        check = ResultCheck(source, region, None)
+        race = Race(candidates, region, source, decided, lambda out: check.problem(out))
         return race
 
 

@@ -205,8 +205,8 @@ def refuse(root: str, why: str) -> None:
     warnings.warn(f"pipeline cache: off for this process: {why}", PipelineWarning, stacklevel=2)
 
 
-def entry_path(key: str) -> str:
-    return os.path.join(cache_root(), key[:2], f"{key}.entry")
+def entry_path(key: str, root: Optional[str] = None) -> str:
+    return os.path.join(root or cache_root(), key[:2], f"{key}.entry")
 
 
 def read_entry(key: str) -> Optional[dict]:
@@ -244,12 +244,12 @@ def read_entry(key: str) -> Optional[dict]:
     return entry if isinstance(entry, dict) and entry.get("format") == FORMAT else None
 
 
-def write_entry(key: str, entry: dict) -> None:
+def write_entry(key: str, entry: dict, root: Optional[str] = None) -> None:
     """Writes atomically (a 0600 temporary file in the same 0700 folder, then `os.replace`), sealed
-    with this user's key."""
-    root = cache_root()
+    with this user's key, under `root` (default: `cache_root()`)."""
+    root = root or cache_root()
     secret = trusted_key(root)
-    path = entry_path(key)
+    path = entry_path(key, root)
     cache_files.private_dir(os.path.dirname(path))
     payload = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
     cache_files.write_file(path, cache_files.seal(secret, key, payload, MAGIC))
@@ -275,7 +275,7 @@ class GraphCache:
     (key, reading, checking, writing) is timed in `record.seconds["cache"]`."""
 
     def __init__(self, key: str, record, stored: Optional[dict]):
-        self.key, self.record, self.stored = key, record, stored
+        self.key, self.record, self.stored, self.root = key, record, stored, cache_root()
         self.entry = {"format": FORMAT, "stages": {}, "wrappers": None,
                       "artifacts": dict(stored["artifacts"]) if stored else {}}
         self.wrapped = False  # the wrappers are known: the entry is complete, and written
@@ -355,7 +355,7 @@ class GraphCache:
             return  # nothing new to write
         start = time.perf_counter()
         try:
-            write_entry(self.key, self.entry)
+            write_entry(self.key, self.entry, self.root)  # where it was read: a choice may come later
             log.info("%s: cache entry %s stored (%s)", self.record.graph_id, self.key[:16],
                      ", ".join(self.entry["stages"]))
         except cache_files.Untrusted as e:

@@ -270,11 +270,11 @@ def _timing_first_call(fn: Callable, record: GraphRecord, stage: str) -> Callabl
         if not calls:
             return fn(args)
         calls.pop()
-        start, measuring = time.perf_counter(), record.seconds.get("autotune", 0.0)
+        start, measuring = time.perf_counter(), record.seconds.get("autotune (measuring)", 0.0)
         try:
             return fn(args)
         finally:  # autotune's measuring is counted as autotune's
-            measuring = record.seconds.get("autotune", 0.0) - measuring
+            measuring = record.seconds.get("autotune (measuring)", 0.0) - measuring
             record.seconds[f"first call ({stage})"] += time.perf_counter() - start - measuring
     calls = [1]
     run._boxed_call = True
@@ -283,7 +283,7 @@ def _timing_first_call(fn: Callable, record: GraphRecord, stage: str) -> Callabl
 
 def _raced(record: GraphRecord, cache: GraphCache | None, seconds: float) -> None:
     """A raced region chose its executor (autotune): what measuring took; the entry holds the choice."""
-    record.seconds["autotune"] += seconds
+    record.seconds["autotune (measuring)"] += seconds
     if cache is not None:
         cache.changed()
 

@@ -233,7 +233,8 @@ def _call(runner, state: CompileState, args, kwargs):
         history.generation += 1
         for record in history.records[n_records:]:
             record.generation = history.generation
-        backend = sum(r.seconds["total"] + r.seconds.get("first call (forward)", 0.0) + r.seconds.get("autotune", 0.0)
+        backend = sum(r.seconds["total"] + r.seconds.get("first call (forward)", 0.0)
+                      + r.seconds.get("autotune (measuring)", 0.0)
                       + r.seconds.get("first call (inference)", 0.0) for r in history.records[n_records:])
         history.capture_seconds += time.perf_counter() - start - backend
         before = _break_counts(breaks_before)

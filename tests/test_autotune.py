@@ -73,7 +73,8 @@ def test_each_region_runs_on_the_executor_measured_fastest():
         assert set(r.race) == {"mul_slow", "add_slow"}
         assert r.race[r.executor] < 5 and max(r.race.values()) >= 10  # ms: the sleep is 10
     assert "autotuned: mul_slow" in str(table) and "(chosen)" in str(table)
-    assert pipeline.compile_stats(cm).seconds["autotune"] > 0.02
+    seconds = pipeline.compile_stats(cm).seconds  # compiling the other candidates, then measuring
+    assert seconds["autotune"] >= 0 and seconds["autotune (measuring)"] > 0.02
 
 
 def test_without_autotune_the_first_listed_runs_everything():
@@ -160,7 +161,7 @@ def test_a_warm_start_loads_the_choices_without_measuring():
     assert pipeline.compile_stats(warm).cache == {"g0": "hit"}
     assert {r.id: (r.executor, r.race) for r in pipeline.regions(warm)} == cold_choice
     assert mul_slow.calls + add_slow.calls == 2  # each region ran once, on its choice: nothing measured
-    assert pipeline.compile_stats(warm).seconds.get("autotune", 0) == 0
+    assert pipeline.compile_stats(warm).seconds.get("autotune (measuring)", 0) == 0
 
 
 def test_measuring_does_not_apply_an_input_mutation_twice():

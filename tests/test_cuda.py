@@ -140,7 +140,7 @@ def test_autotune_races_nvfuser_and_inductor_on_cuda_and_trains_like_eager():
     assert {r.stage for r in raced} == {"forward", "backward"}, str(table)
     assert all(set(r.race) == {"nvfuser", "inductor"} and r.executor in r.race for r in raced)
     assert all(min(r.race.values()) > 0 for r in raced)
-    assert pipeline.compile_stats(cm).seconds["autotune"] > 0
+    assert pipeline.compile_stats(cm).seconds["autotune (measuring)"] > 0
 
 
 @pytest.mark.parametrize("exponent", [1, 2, 3, 0.5, -0.5, -1, 1.7])
