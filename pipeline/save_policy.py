@@ -1,21 +1,10 @@
-"""What the forward saves for the backward: no fp32 value computed from one upcast half-precision one.
+"""What the forward saves for the backward (why, with the numbers: docs/passes.md, `save_policy`).
 
-A loss computed in fp32 from bf16 logits (`logits.float()`, then log-softmax) can save either the
-bf16 logits and two per-token reductions, recomputing the rest in the backward, or an fp32
-logits-sized intermediate: twice the bytes (1 GiB instead of 0.5 GiB for 8192 tokens x 32000). The
-min-cut partitioner weighs a saved value by its size times 1.1 per op between it and the backward,
-so which one it keeps turns on a single op more or less on the way: a linear whose custom op returns
-a list (Transformer Engine's) adds a `getitem`, and the fp32 one was saved.
-
-This rule (`recompute_upcasts`) tags every forward value that is a full-size fp32 function of one
-upcast half-precision value for recomputation, on the joint graph; the partitioner then saves the
-half-precision value or something smaller (a reduction) instead.
-
-A second rule (`recompute_fp8_casts`) tags fp8 casts made in the graph (and their byte views and
-transposes) the same way: a cast the backward reads (TE's linear casts its x and W again there) is
-then made in the backward from what the forward keeps anyway, never kept from forward to backward.
-Without it the partitioner prefers keeping the fp8 copy of a weight, half the bytes of the weight it
-is cast from, though the weight itself is kept for free (it is a parameter).
+`recompute_upcasts` tags every forward value that is a full-size fp32 function of one upcast
+half-precision value for recomputation, on the joint graph: the min-cut partitioner then saves the
+half-precision value (bf16 logits) or a reduction instead of an fp32 intermediate twice its size.
+`recompute_fp8_casts` tags fp8 casts made in the graph (their byte views and transposes, and the
+copies they read) the same way: made in the backward from what the forward keeps anyway.
 """
 from __future__ import annotations
 
@@ -34,13 +23,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Tags the fp32 values derived from upcast half-precision ones for recomputation; returns how
-    many were tagged.
-
-    A value counts as derived when its full-size inputs all derive from one upcast (others may be
-    scalars or smaller, broadcast tensors: `x - amax`), so recomputing it needs nothing big besides
-    the half-precision source. Left alone: the forward's outputs (the user's results, buffers the
-    forward updates), values already tagged, random ops, and graphs with `torch.utils.checkpoint`
-    regions (their boundaries are the user's choice)."""
+    many were tagged. Derived: its full-size inputs all derive from one upcast (others may be scalars
+    or smaller, broadcast: `x - amax`). Left alone: the forward's outputs, values already tagged,
+    random ops, and graphs with `torch.utils.checkpoint` regions (the user's choice)."""
     forward = output_ancestors(joint, num_fwd_outputs)
     root: dict[fx.Node, fx.Node] = {}  # derived node -> the upcast it is a full-size function of
     for node in joint.graph.nodes:
@@ -62,9 +47,8 @@ def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
 
 
 def recompute_fp8_casts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """Tags each fp8 value computed in the graph, and the byte views, transposes and copies made of
-    one, for recomputation; returns how many were tagged. Left alone as in `recompute_upcasts`: the
-    forward's outputs, values already tagged, graphs with `torch.utils.checkpoint` regions."""
+    """Tags each fp8 value computed in the graph, the byte views, transposes and copies made of one,
+    and the copies it reads (`_copies_cast`); returns how many. Left alone as in `recompute_upcasts`."""
     derived = set()
     for node in joint.graph.nodes:
         value = node_value(node)
@@ -73,7 +57,22 @@ def recompute_fp8_casts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
         layout = isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _COPIES)
         if value.dtype in _FP8 or (layout and any(a in derived for a in node.all_input_nodes)):
             derived.add(node)
-    return _tag(joint, num_fwd_outputs, derived)
+    return _tag(joint, num_fwd_outputs, derived | _copies_cast(derived))
+
+
+def _copies_cast(fp8: set) -> set:
+    """The views and copies the fp8 casts read (through the cast's elementwise ops, then layout ops
+    only): e.g. SDPA's output made contiguous for a linear, made again from SDPA's output."""
+    found, work = set(), [(a, False) for n in fp8 for a in n.all_input_nodes]
+    while work:
+        node, past_layout = work.pop()
+        if node in found or node.op != "call_function" or "recompute" in node.meta:
+            continue
+        layout = isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _COPIES)
+        if layout or (not past_layout and (_elementwise_or_layout(node.target) or node.target in _UPCASTS)):
+            found |= {node} if layout else set()
+            work += [(a, past_layout or layout) for a in node.all_input_nodes]
+    return found
 
 
 def _tag(joint: fx.GraphModule, num_fwd_outputs: int, nodes) -> int:

@@ -228,3 +228,33 @@ def test_fp8_casts_and_their_byte_views_are_tagged_for_recomputation():
     tagged = {n.name for n in gm.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
     assert count == len(tagged) and {"_to_copy_1", "view", "t", "clone"} <= tagged, gm.code
     assert not tagged & {"_to_copy", "div", "_to_copy_2", "sum_1"}, gm.code  # fp32 ones; the returned one
+
+
+def test_a_contiguous_copy_an_fp8_cast_reads_is_made_again_not_kept():
+    """In a Llama, o_proj reads the attention output made contiguous (a clone of SDPA's output, which
+    the backward keeps for SDPA's own backward): with fp8 linears (the TE-shaped stand-in) that copy
+    is made again in the backward, not kept beside SDPA's output (0.5 GiB on the H200's 0.85B)."""
+    from models import LanguageModelLoss, Llama, LlamaConfig
+
+    class Fp8Linear(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.weight = linear.weight
+
+        def forward(self, x):
+            return torch.ops.test_fp8.linear(x.reshape(-1, x.shape[-1]), self.weight)[0].view(*x.shape[:-1], -1)
+    config = LlamaConfig(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, hidden=176, max_seq=32)
+    torch.manual_seed(0)
+    model = LanguageModelLoss(Llama(config)).bfloat16()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and child.bias is None and name != "output":
+                setattr(module, name, Fp8Linear(child))
+    cm = pipeline.jit(model, executors=["torch"])
+    cm(torch.randint(0, 256, (2, 32))).backward()
+    forward = [t for t in pipeline.last_traces(cm) if t.name.endswith("_forward")][0]
+    kept = [o for o in forward.output_node().args[0][1:] if o.op == "call_function"]
+    copies = [o.name for o in kept if o.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+              and tuple(o.meta["val"].shape) == (64, 64)]
+    assert not copies, copies
+    assert sum(tuple(o.meta["val"].shape) == (2, 4, 32, 16) for o in kept if "getitem" in o.name) == 2  # SDPA's outputs
