@@ -4,6 +4,7 @@ region (`compile_region`); the optional hooks, grouped by capability (`Cacheable
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -140,6 +141,17 @@ class Cacheable(Executor):
         return None
 
 
+class RebuiltFromGraph(Cacheable):
+    """A `Cacheable` executor with nothing compiled to store (torch, TE's kernel calls, nvFuser, which
+    cannot serialize a fusion): its cached region is compiled again from the region graph."""
+
+    def save_region(self, fn) -> bytes:
+        return b""
+
+    def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
+        return self.compile_region(gm, example_inputs)
+
+
 class PerModel(Executor):
     """An executor with state per jitted model (`for_model`, `before_call`, `extra_state`: TE's fp8 scaling)."""
 
@@ -148,6 +160,7 @@ class PreparesGraph(Executor):
     """An executor that sees the captured graph (`prepare`) or the joint graph's tracing (decompositions)."""
 
 
+@functools.cache
 def library_version(module: str) -> str:
     """`module`'s version and the GPU's compute capability, for an executor's `cache_token`."""
     import importlib

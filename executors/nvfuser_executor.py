@@ -15,12 +15,12 @@ import torch.fx as fx
 
 from ir import node_value
 
-from .base import (Cacheable, RegionDeclined, computes_nothing, cuda_library_missing, keep_promised_strides,
+from .base import (RebuiltFromGraph, RegionDeclined, computes_nothing, cuda_library_missing, keep_promised_strides,
                    library_version, promised_strides)
 from .nvfuser_ops import CLAIMS, NO_NVFUSER_DTYPES, define_fusion as _define
 
 
-class NvFuserExecutor(Cacheable):
+class NvFuserExecutor(RebuiltFromGraph):
     name = "nvfuser"
     kind = "fusion"
     device = "cuda"  # where its kernels run (CPU tests of its claims set "cpu")
@@ -42,15 +42,8 @@ class NvFuserExecutor(Cacheable):
         return all(t.device.type == self.device and t.dtype not in NO_NVFUSER_DTYPES
                    for t in tensors if isinstance(t, torch.Tensor))
 
-    # nvfuser_direct cannot serialize a fusion (docs/cache.md): a cached region is rebuilt from its graph
     def cache_token(self) -> str:
         return f"nvfuser {library_version('nvfuser_direct')} device={self.device}"
-
-    def save_region(self, fn) -> bytes:
-        return b""
-
-    def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
-        return self.compile_region(gm, example_inputs)
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
         if all(computes_nothing(n.target) for n in gm.graph.nodes if n.op == "call_function"):

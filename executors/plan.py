@@ -155,8 +155,8 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     if donated:
         step("mark donated inputs", mark_donated_inputs, gm, donated,
              {e.name for e in order if e.outputs_may_alias_inputs})
-    builder = _RegionBuilder(gm, order, fallback, stage, graph_id, artifacts, on_fallback or _warn)
-    builder.listed, builder.autotune = list(executors), autotune
+    builder = _RegionBuilder(gm, order, fallback, stage, graph_id, artifacts, on_fallback or _warn,
+                             list(executors), autotune)
     regions = step("compile or load regions", builder.build_all, named, first_region_id)
     _set_region_values(gm)
     gm.recompile()
@@ -170,7 +170,7 @@ class _RegionBuilder:
     """Builds each region's `CompiledRegion`: from an identical region built before (its twin), the
     artifact cache, or its executor (falling back to the next one that claims it)."""
 
-    def __init__(self, gm, order, fallback, stage, graph_id, artifacts, on_fallback):
+    def __init__(self, gm, order, fallback, stage, graph_id, artifacts, on_fallback, listed, autotune):
         self.gm, self.order, self.fallback, self.stage, self.graph_id = gm, order, fallback, stage, graph_id
         self.artifacts, self.on_fallback = artifacts, on_fallback
         self.by_name = {e.name: e for e in order}
@@ -178,8 +178,7 @@ class _RegionBuilder:
         self.uncached: list[str] = []
         self.compiled: dict[tuple, tuple[Callable, Region]] = {}  # (executor, structure) -> first built
         self.replaced: dict[tuple, tuple[Callable, Region]] = {}  # the same, for wrong results
-        self.listed: list[Executor] = list(order)
-        self.autotune: Optional[Callable[[float], None]] = None
+        self.listed, self.autotune = listed, autotune  # autotune races among `listed` (not the fallback)
         self.autotune_seconds = 0.0
 
     def build_all(self, named, first_region_id: int) -> list[Region]:
@@ -247,7 +246,7 @@ class _RegionBuilder:
         others = [e for e in self.listed[names.index(region.executor) + 1:] if _claims_all(e, source)]
         if not others:
             return None
-        start, example_inputs = time.perf_counter(), [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
+        start, example_inputs = time.perf_counter(), _example_inputs(source)
         candidates = [(self.by_name[region.executor], fn)]
         for ex in others:
             try:
@@ -283,7 +282,7 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
                       f"compiled from another region graph; not loaded, compiling it", PipelineWarning)
         notes.append(f"region {region.id}: cached artifact belongs to another region graph; compiled")
         return None
-    example_inputs = [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
+    example_inputs = _example_inputs(source)
     try:
         with _isolated(example_inputs):
             fn = by_name[artifact.executor].load_region(artifact.data, source, example_inputs)
@@ -298,7 +297,7 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
 
 
 def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, notes) -> None:
-    example_inputs = [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
+    example_inputs = _example_inputs(source)
     reason = ex.artifact_unsupported_reason(source, example_inputs)
     if reason is None:
         try:
@@ -339,7 +338,7 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback) -> 
     """The region compiled by the first candidate that takes it, and whether any candidate failed
     (raised an error, as opposed to declining)."""
     check_symbols_bound(source, f"region {region.id} ({region.stage}, for {first.name})")  # else a NameError when run
-    example_inputs = [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
+    example_inputs = _example_inputs(source)
     candidates = [first] + [e for e in order[order.index(first) + 1:]
                             if e is not first and _claims_all(e, source)]
     if all(c.name != fallback.name for c in candidates):
@@ -379,6 +378,11 @@ def _isolated(example_inputs):
     from torch._guards import TracingContext, detect_fake_mode, tracing
     fake_mode = detect_fake_mode(example_inputs)
     return tracing(TracingContext(fake_mode)) if fake_mode is not None else contextlib.nullcontext()
+
+
+def _example_inputs(source: fx.GraphModule) -> list:
+    """The fake values of a region's inputs: what its executor compiles (or loads) against."""
+    return [node_value(n) for n in source.graph.nodes if n.op == "placeholder"]
 
 
 def _claims_all(ex: Executor, gm: fx.GraphModule) -> bool:

@@ -27,7 +27,7 @@ from ir import Trace, fake_like, node_value
 from ir.rewrite import Call, Match, add_call, match, rewrite
 from ir.torch_ops import LINEAR
 
-from .base import Cacheable, PerModel, PreparesGraph, cuda_library_missing, library_version
+from .base import PerModel, RebuiltFromGraph, PreparesGraph, cuda_library_missing, library_version
 from .claims import ClaimTable
 from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, recipe_formats, te_dtype
 
@@ -166,7 +166,7 @@ _CLAIMS = ClaimTable()
 _CLAIMS.register(torch.ops.pipeline_te.linear.default, torch.ops.pipeline_te.linear_backward.default)
 
 
-class TEExecutor(Cacheable, PerModel, PreparesGraph):
+class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
     name = "te"
     kind = "operator"
     claims_table = _CLAIMS
@@ -206,13 +206,6 @@ class TEExecutor(Cacheable, PerModel, PreparesGraph):
     def cache_token(self) -> str:
         return (f"te {library_version('transformer_engine')} fp8={self.use_fp8} recipe={self.recipe!r} "
                 f"group_linears={self.group_linears}")
-
-    # Nothing compiled to store: rebuilt from the graph (fp8 scaling state is in the state dict)
-    def save_region(self, fn) -> bytes:
-        return b""
-
-    def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
-        return self.compile_region(gm, example_inputs)
 
     def for_model(self) -> "TEExecutor":
         """Delayed scaling keeps state per jitted model: each model gets its own copy."""

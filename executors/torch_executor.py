@@ -8,11 +8,11 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .base import Cacheable
+from .base import RebuiltFromGraph
 from .graph_utils import keep_promised_strides, meta_strides_unreliable, promised_strides
 
 
-class TorchExecutor(Cacheable):
+class TorchExecutor(RebuiltFromGraph):
     name = "torch"
     kind = "fusion"  # it takes whole regions, but compiles nothing: the region runs op by op
 
@@ -20,13 +20,6 @@ class TorchExecutor(Cacheable):
         return True
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
-        return _with_promised_strides(gm)
-
-    # Nothing compiled, nothing to store: a cached region is rebuilt from its graph.
-    def save_region(self, fn) -> bytes:
-        return b""
-
-    def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
         return _with_promised_strides(gm)
 
 

@@ -233,9 +233,8 @@ def _call(runner, state: CompileState, args, kwargs):
         history.generation += 1
         for record in history.records[n_records:]:
             record.generation = history.generation
-        backend = sum(r.seconds["total"] + r.seconds.get("first call (forward)", 0.0)
-                      + r.seconds.get("autotune (measuring)", 0.0)
-                      + r.seconds.get("first call (inference)", 0.0) for r in history.records[n_records:])
+        ran = ("total", "first call (forward)", "first call (inference)", "autotune (measuring)")  # not capture
+        backend = sum(r.seconds.get(k, 0.0) for r in history.records[n_records:] for k in ran)
         history.capture_seconds += time.perf_counter() - start - backend
         before = _break_counts(breaks_before)
         for reason, count in _break_counts(_raw_break_counts(counters)).items():

@@ -54,7 +54,7 @@ def recompute_fp8_casts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
         value = node_value(node)
         if node.op != "call_function" or "recompute" in node.meta or not isinstance(value, torch.Tensor):
             continue
-        layout = isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _COPIES)
+        layout = _layout(node.target)
         if value.dtype in _FP8 or (layout and any(a in derived for a in node.all_input_nodes)):
             derived.add(node)
     return _tag(joint, num_fwd_outputs, derived | _copies_cast(derived))
@@ -68,7 +68,7 @@ def _copies_cast(fp8: set) -> set:
         node, past_layout = work.pop()
         if node in found or node.op != "call_function" or "recompute" in node.meta:
             continue
-        layout = isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _COPIES)
+        layout = _layout(node.target)
         if layout or (not past_layout and (_elementwise_or_layout(node.target) or node.target in _UPCASTS)):
             found |= {node} if layout else set()
             work += [(a, past_layout or layout) for a in node.all_input_nodes]
@@ -106,8 +106,11 @@ def _single_root(node: fx.Node, value: torch.Tensor, root: dict) -> fx.Node | No
     return roots.pop() if len(roots) == 1 else None
 
 
+def _layout(target) -> bool:
+    """A view, or a copy that only changes the layout (`clone`, `_unsafe_view`)."""
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _COPIES)
+
+
 def _elementwise_or_layout(target) -> bool:
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    return torch.Tag.pointwise in target.tags or target.is_view or target in _COPIES
+    return _layout(target) or isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
