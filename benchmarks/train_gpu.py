@@ -264,6 +264,9 @@ def run_row(name, how, config, batches, args):
         step_fn = pipeline.jit(model, executors=how, cuda_graphs=name.endswith("+ cuda graphs"),
                                autotune="] autotune" in name,
                                transforms=transforms + ([pipeline.without(*args.without)] if args.without else []))
+        skipped = [f for f in pipeline.compile_stats(step_fn).fallbacks if "is not available" in f]
+        if skipped:  # a row measures the executors its name lists, or says why it cannot
+            raise RuntimeError("; ".join(skipped))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()

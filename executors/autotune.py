@@ -2,7 +2,11 @@
 
 A region more than one listed executor can take whole is compiled by each (`Race`); at its first
 call each candidate runs on that call's inputs (a warm-up, then the median of `RUNS`) and the
-fastest runs it from then on; one listed earlier wins a tie within noise. Measuring must not change
+fastest runs it from then on; one listed earlier wins a tie within noise. On a GPU the time is the
+GPU's: each run's launches are queued behind a GPU sleep longer than the host takes to issue them, so
+the events time the kernels and not the Python that launches them. That host time is what CUDA
+graphs replay away, and what a GPU-bound step hides behind the GPU's queue; timed one region at a
+time, it would favour cheap launches over fast kernels. Measuring must not change
 what the step computes: donated inputs are copied per run, the RNG state is restored, and a region
 writing into its inputs is not raced.
 """
@@ -96,17 +100,23 @@ def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem
         run = getattr(fn, "boxed", None)
         return (run, fresh) if run is not None else (lambda a: fn(*a), fresh)
 
+    host_ms = 0.0
     for _ in range(WARMUP):
         run, a = run_once()
+        t0 = time.perf_counter()
         if (wrong := problem(run(a))) is not None:
             raise ValueError(wrong)
+        host_ms = (time.perf_counter() - t0) * 1e3  # an upper bound: the check waits for the result
     times = []
     for _ in range(RUNS):
         run, a = run_once()
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(_gpu_cycles(host_ms))  # the GPU waits while the host queues the launches
             begin.record()
+            t0 = time.perf_counter()
             run(a)
+            host_ms = (time.perf_counter() - t0) * 1e3  # the next run's sleep outlasts this one's launching
             end.record()
             end.synchronize()
             times.append(begin.elapsed_time(end))
@@ -116,3 +126,20 @@ def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem
             times.append((time.perf_counter() - t0) * 1e3)
     median = statistics.median(times)
     return median, statistics.median(abs(t - median) for t in times)
+
+
+_cycles_per_ms: Optional[float] = None
+
+
+def _gpu_cycles(host_ms: float) -> int:
+    """GPU clock cycles of a sleep that outlasts `host_ms` of launching (twice it, 0.2 ms at least,
+    50 ms at most), the clock rate measured once with a sleep of a known count."""
+    global _cycles_per_ms
+    if _cycles_per_ms is None:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms = 1_000_000 / max(begin.elapsed_time(end), 1e-3)
+    return int(_cycles_per_ms * min(max(2 * host_ms, 0.2), 50.0))

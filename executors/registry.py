@@ -1,7 +1,6 @@
 """Resolves what the user passed as `executors=[...]` into executor objects."""
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 from .base import Executor
@@ -12,9 +11,10 @@ def known_executors() -> dict[str, Executor]:
     return {e.name: e for e in (torch, inductor, nvfuser, te)}
 
 
-def resolve(executors: Sequence) -> list[Executor]:
-    """Executor objects for `executors` (objects or names), in order, skipping unavailable ones; raises
-    when none of the listed ones is available, naming each and why."""
+def resolve(executors: Sequence) -> tuple[list[Executor], list[str]]:
+    """Executor objects for `executors` (objects or names), in order, without the unavailable ones,
+    and a message per one left out (the caller reports them as fallbacks); raises when none of the
+    listed ones is available, naming each and why."""
     if isinstance(executors, (str, Executor)) or not hasattr(executors, "__iter__"):
         raise TypeError(f"executors must be a list of executors or their names, got {executors!r}")
     known = known_executors()
@@ -39,6 +39,4 @@ def resolve(executors: Sequence) -> list[Executor]:
     if not usable:
         detail = "; ".join(f"{e.name}: {reason}" for e, reason in missing)
         raise RuntimeError(f"none of the listed executors is available here — {detail}")
-    for e, reason in missing:
-        warnings.warn(f"executor {e.name!r} is not available and is skipped: {reason}", stacklevel=3)
-    return usable
+    return usable, [f"executor {e.name!r} is not available and is skipped: {reason}" for e, reason in missing]

@@ -108,13 +108,16 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"transforms must be a list of trace passes, got {transforms!r}")
     if cuda_graphs and dynamic is None:
         dynamic = False  # one graph per input shape (a stage with dynamic shapes cannot be recorded)
-    resolved = [e.for_model() for e in resolve(executors)]
+    usable, skipped = resolve(executors)
+    resolved = [e.for_model() for e in usable]
     passes, replaced = _apply_transforms(model_or_fn, list(transforms))
     hooks = tuple(e.before_call for e in resolved if type(e).before_call is not Executor.before_call)
     state = CompileState(JitConfig(executors=tuple(resolved), passes=tuple(passes), owners=_owners(model_or_fn),
                                    replaced=replaced, fullgraph=fullgraph, dynamic=dynamic, cache=cache,
                                    cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks,
                                    autotune=autotune))
+    for message in skipped:  # a listed executor missing here is a fallback: counted, warned, or raised
+        report_fallback(state, message)
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)
     else:

@@ -62,15 +62,22 @@ def test_only_unavailable_executors_is_an_error_naming_each(mlp):
         pipeline.jit(mlp, executors=[Missing()])
 
 
-def test_unavailable_executor_is_skipped_with_one_warning(mlp):
+@pytest.mark.allow_fallback
+def test_unavailable_executor_is_a_loud_fallback(mlp):
+    """A listed executor missing here is skipped as a fallback: one PipelineFallbackWarning, a line in
+    compile_stats, and an error under fallback="raise" (a run that asked for nvFuser says it had none)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cm = pipeline.jit(mlp, executors=[Missing(), "torch"])
-    assert [str(w.message) for w in caught if "missing" in str(w.message)] == [
-        "executor 'missing' is not available and is skipped: the missing library is not installed "
-        "(pip install missing)"]
+    assert [(w.category, str(w.message)) for w in caught if "missing" in str(w.message)] == [
+        (PipelineFallbackWarning, "pipeline: executor 'missing' is not available and is skipped: the missing "
+         "library is not installed (pip install missing)")]
     cm(torch.randn(2, 16))
     assert {r.executor for r in pipeline.regions(cm)} == {"torch"}
+    assert [f for f in pipeline.compile_stats(cm).fallbacks if "'missing'" in f] == [
+        "executor 'missing' is not available and is skipped: the missing library is not installed (pip install missing)"]
+    with pytest.raises(pipeline.PipelineFallbackError, match="executor 'missing' is not available"):
+        pipeline.jit(mlp, executors=[Missing(), "torch"], fallback="raise")
 
 
 def test_executor_names_import_as_objects():
@@ -228,6 +235,7 @@ def test_profile_times_every_region_by_name(mlp, tmp_path):
     assert "total in regions" in str(table)
 
 
+@pytest.mark.allow_fallback
 def test_gpu_executors_without_their_libraries_say_what_is_missing(mlp):
     import executors
     for name in ("nvfuser", "te"):
@@ -235,7 +243,7 @@ def test_gpu_executors_without_their_libraries_say_what_is_missing(mlp):
             continue
         with pytest.raises(RuntimeError, match=f"{name}: "):
             pipeline.jit(mlp, executors=[name])
-        with pytest.warns(UserWarning, match=f"executor '{name}' is not available"):
+        with pytest.warns(PipelineFallbackWarning, match=f"executor '{name}' is not available"):
             pipeline.jit(mlp, executors=[name, "torch"])
 
 

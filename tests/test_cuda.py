@@ -143,6 +143,27 @@ def test_autotune_races_nvfuser_and_inductor_on_cuda_and_trains_like_eager():
     assert pipeline.compile_stats(cm).seconds["autotune (measuring)"] > 0
 
 
+def test_autotune_times_the_gpus_work_not_the_launching():
+    """A candidate slow to launch (3 ms of host work) but quick on the GPU is timed by its kernel;
+    one with more GPU work is timed longer: the race compares kernels, as CUDA graphs replay them."""
+    import time
+    from executors.autotune import _median_ms
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def slow_to_launch(a):
+        time.sleep(0.003)
+        return a + 1
+
+    def more_gpu_work(a):
+        for _ in range(8):
+            a = a @ a
+        return a
+    quick, _ = _median_ms(slow_to_launch, [x], [], True, lambda out: None)
+    heavy, _ = _median_ms(more_gpu_work, [x], [], True, lambda out: None)
+    assert quick < 1.0, f"{quick:.3f} ms: the host's 3 ms sleep was timed"
+    assert heavy > quick
+
+
 @pytest.mark.parametrize("exponent", [1, 2, 3, 0.5, -0.5, -1, 1.7])
 def test_nvfuser_pow_by_a_scalar_matches_eager(exponent):
     """Small exponents become multiplies or roots in nvFuser; values and gradients stay eager's."""
