@@ -1,14 +1,9 @@
 """Executors chosen by measured time (`pipeline.jit(..., autotune=True)`; docs/executors.md).
 
 A region more than one listed executor can take whole is compiled by each (`Race`); at its first
-call each candidate runs on that call's inputs (a warm-up, then the median of `RUNS`) and the
-fastest runs it from then on; one listed earlier wins a tie within noise. On a GPU the time is the
-GPU's: each run's launches are queued behind a GPU sleep longer than the host takes to issue them, so
-the events time the kernels and not the Python that launches them. That host time is what CUDA
-graphs replay away, and what a GPU-bound step hides behind the GPU's queue; timed one region at a
-time, it would favour cheap launches over fast kernels. Measuring must not change
-what the step computes: donated inputs are copied per run, the RNG state is restored, and a region
-writing into its inputs is not raced.
+call each candidate runs on that call's inputs (a warm-up, then the median of `RUNS`; on a GPU, of
+the GPU's time only: launches wait behind a GPU sleep, as CUDA graphs replay them) and the fastest
+runs it; one listed earlier wins a tie within noise. Measuring changes nothing the step computes.
 """
 from __future__ import annotations
 
@@ -110,20 +105,17 @@ def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem
     times = []
     for _ in range(RUNS):
         run, a = run_once()
-        if cuda:
+        if cuda:  # the GPU sleeps while the host queues the launches: the events time the kernels
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(_gpu_cycles(host_ms))  # the GPU waits while the host queues the launches
+            torch.cuda._sleep(_gpu_cycles(host_ms))
             begin.record()
-            t0 = time.perf_counter()
-            run(a)
-            host_ms = (time.perf_counter() - t0) * 1e3  # the next run's sleep outlasts this one's launching
+        t0 = time.perf_counter()
+        run(a)
+        host_ms = (time.perf_counter() - t0) * 1e3  # the next run's sleep outlasts this launching
+        if cuda:
             end.record()
             end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            run(a)
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append(begin.elapsed_time(end) if cuda else host_ms)
     median = statistics.median(times)
     return median, statistics.median(abs(t - median) for t in times)
 
@@ -132,8 +124,7 @@ _cycles_per_ms: Optional[float] = None
 
 
 def _gpu_cycles(host_ms: float) -> int:
-    """GPU clock cycles of a sleep that outlasts `host_ms` of launching (twice it, 0.2 ms at least,
-    50 ms at most), the clock rate measured once with a sleep of a known count."""
+    """GPU cycles of a sleep outlasting `host_ms` of launching (twice it, within 0.2-50 ms)."""
     global _cycles_per_ms
     if _cycles_per_ms is None:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -32,11 +32,9 @@ def resolve(executors: Sequence) -> tuple[list[Executor], list[str]]:
         listed.append(e)
     if not listed:
         raise ValueError("executors is empty: list at least one, e.g. executors=['torch']")
-    usable, missing = [], []
-    for e in listed:
-        availability = e.available()
-        (usable if availability else missing).append(e if availability else (e, availability.reason))
+    reasons = {e.name: e.available().reason for e in listed}  # None: available
+    usable = [e for e in listed if reasons[e.name] is None]
     if not usable:
-        detail = "; ".join(f"{e.name}: {reason}" for e, reason in missing)
-        raise RuntimeError(f"none of the listed executors is available here — {detail}")
-    return usable, [f"executor {e.name!r} is not available and is skipped: {reason}" for e, reason in missing]
+        raise RuntimeError("none of the listed executors is available here — "
+                           + "; ".join(f"{name}: {why}" for name, why in reasons.items()))
+    return usable, [f"executor {name!r} is not available and is skipped: {why}" for name, why in reasons.items() if why]

@@ -1,21 +1,11 @@
-"""The on-disk cache of compiled artifacts, one entry per captured graph.
+"""The on-disk cache of compiled artifacts, one entry per captured graph (docs/cache.md).
 
-Key: a hash of the captured graph (its code and input metadata), the trace passes (each pass's
-qualified name and a hash of its source and closure), the model-changing transforms, the executors
-(names and `cache_token`s), the global modes it lowers under (grad, autocast), the torch and Python
-versions, and a hash of the pipeline's own source (`ir`, `executors`, `pipeline`, `transforms`: a change
-to how regions are formed or compiled must not load artifacts built the old way). A pass that sets
-`cacheable = False` (see `uncached`), or whose source cannot be read, turns the cache off for the graph.
-
-Entry: per stage the lowered trace's fingerprint and its regions, the runtime wrappers' metadata, and
-each region's executor artifact keyed by the region's own hash (`executors.region_keys.region_key`), and
-AOTAutograd's own entry for the graph: on a hit the pipeline captures, then loads that entry instead of
-lowering (`warm_start`) and rebuilds each region from its artifact instead of compiling it.
-
-Files live under `PIPELINE_CACHE_DIR` (default `~/.cache/fxpipeline`); `PIPELINE_CACHE=0` or
-`jit(..., cache=False)` turns the cache off. Only entries this user wrote and sealed are read, and a cache
-path others could write turns the cache off with one warning (`cache_files`; docs/cache.md for the trust
-model); writes are atomic (`os.replace`), so concurrent processes never see half an entry.
+Key: a hash of everything compiled code depends on — the captured graph and its inputs' metadata, the
+passes (name, source, closure), the transforms, the executors and their `cache_token`s, global modes,
+the torch and Python versions, and the pipeline's own source. Entry: each stage's trace and regions,
+the runtime wrappers' metadata, each region's artifact keyed by the region's own hash, and
+AOTAutograd's entry, so a hit captures, then loads instead of lowering (`warm_start`) or compiling.
+Only entries this user wrote and sealed are read (`cache_files`); writes are atomic (`os.replace`).
 """
 from __future__ import annotations
 

@@ -95,11 +95,9 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"pipeline.jit needs an nn.Module or a function, got {type(model_or_fn).__name__}")
     if isinstance(model_or_fn, (JittedModule, JittedFunction)):
         raise TypeError("this model is already jitted; jit the original instead")
-    if not isinstance(fullgraph, bool):
-        raise TypeError(f"fullgraph must be True or False, got {fullgraph!r}")
     if dynamic not in (None, True, False):
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
-    for name, value in (("cache", cache), ("cuda_graphs", cuda_graphs), ("autotune", autotune)):
+    for name, value in (("fullgraph", fullgraph), ("cache", cache), ("cuda_graphs", cuda_graphs), ("autotune", autotune)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     if fallback not in MODES:
