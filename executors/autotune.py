@@ -23,6 +23,7 @@ from .graph_utils import donated_inputs
 NOISE = 0.05  # a listed-earlier candidate within 5% of the fastest is kept: timing noise, not a win
 MAX_TIE = 0.2  # however noisy the fastest's runs, a candidate 20% slower is slower
 WARMUP, RUNS = 1, 5
+GPU_CYCLES_PER_MS = 2e6  # a GPU's clock, near enough: a sleep found too short is made longer
 
 
 def why_not_raced(gm: fx.GraphModule) -> Optional[str]:
@@ -102,35 +103,23 @@ def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem
         if (wrong := problem(run(a))) is not None:
             raise ValueError(wrong)
         host_ms = (time.perf_counter() - t0) * 1e3  # an upper bound: the check waits for the result
-    times = []
-    for _ in range(RUNS):
+    times, cycles, longer = [], int(GPU_CYCLES_PER_MS * min(max(2 * host_ms, 0.2), 50)), 3
+    while len(times) < RUNS:
         run, a = run_once()
         if cuda:  # the GPU sleeps while the host queues the launches: the events time the kernels
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(_gpu_cycles(host_ms))
+            torch.cuda._sleep(cycles)
             begin.record()
         t0 = time.perf_counter()
         run(a)
-        host_ms = (time.perf_counter() - t0) * 1e3  # the next run's sleep outlasts this launching
+        host = (time.perf_counter() - t0) * 1e3
         if cuda:
+            woke_early = begin.query()  # the GPU was done sleeping before the host was done launching
             end.record()
             end.synchronize()
-        times.append(begin.elapsed_time(end) if cuda else host_ms)
+            if woke_early and longer:  # that run timed the launching too (or the region waits for
+                cycles, longer = cycles * 4, longer - 1  # the GPU): again with a longer sleep, 3 times at most
+                continue
+        times.append(begin.elapsed_time(end) if cuda else host)
     median = statistics.median(times)
     return median, statistics.median(abs(t - median) for t in times)
-
-
-_cycles_per_ms: Optional[float] = None
-
-
-def _gpu_cycles(host_ms: float) -> int:
-    """GPU cycles of a sleep outlasting `host_ms` of launching (twice it, within 0.2-50 ms)."""
-    global _cycles_per_ms
-    if _cycles_per_ms is None:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        torch.cuda._sleep(1_000_000)
-        end.record()
-        end.synchronize()
-        _cycles_per_ms = 1_000_000 / max(begin.elapsed_time(end), 1e-3)
-    return int(_cycles_per_ms * min(max(2 * host_ms, 0.2), 50.0))

@@ -150,3 +150,34 @@ def test_a_race_after_a_failed_compile_is_not_stored():
     warm = run(broken=False)
     assert {r.executor for r in pipeline.regions(warm) if "sin" not in r.ops} == {"first"}, \
         str(pipeline.regions(warm))
+
+
+@pytest.mark.parametrize("woke_early", ["once", "always"])
+def test_a_gpu_run_the_sleep_did_not_cover_is_timed_again_with_a_longer_sleep(monkeypatch, woke_early):
+    """On a GPU each timed run's launches queue behind a sleep; a run whose sleep ended before the
+    host finished launching timed the launching too, so it is run again with a 4x longer sleep
+    (3 times at most: a region that waits for the GPU always wakes it early). CUDA faked: the logic."""
+    sleeps = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def query(self):  # the begin event: done (the GPU awake) before the launching ended?
+            return woke_early == "always" or sleeps[-1] == sleeps[0]
+
+        def elapsed_time(self, other):
+            return 1.0
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleeps.append)
+    ms, _ = autotune._median_ms(lambda x: x + 1, [torch.ones(2)], [], True, lambda out: None)
+    assert ms == 1.0
+    longer = 1 if woke_early == "once" else 3
+    assert len(sleeps) == autotune.RUNS + longer
+    assert sleeps[:longer + 1] == [sleeps[0] * 4 ** k for k in range(longer + 1)]
