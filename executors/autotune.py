@@ -22,7 +22,7 @@ from .graph_utils import donated_inputs
 
 NOISE = 0.05  # a listed-earlier candidate within 5% of the fastest is kept: timing noise, not a win
 MAX_TIE = 0.2  # however noisy the fastest's runs, a candidate 20% slower is slower
-WARMUP, RUNS = 1, 5
+RUNS = 5  # after one warm-up
 GPU_CYCLES_PER_MS = 2e6  # a GPU's clock, near enough: a sleep found too short is made longer
 
 
@@ -96,13 +96,11 @@ def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem
         run = getattr(fn, "boxed", None)
         return (run, fresh) if run is not None else (lambda a: fn(*a), fresh)
 
-    host_ms = 0.0
-    for _ in range(WARMUP):
-        run, a = run_once()
-        t0 = time.perf_counter()
-        if (wrong := problem(run(a))) is not None:
-            raise ValueError(wrong)
-        host_ms = (time.perf_counter() - t0) * 1e3  # an upper bound: the check waits for the result
+    run, a = run_once()  # the warm-up, its result checked
+    t0 = time.perf_counter()
+    if (wrong := problem(run(a))) is not None:
+        raise ValueError(wrong)
+    host_ms = (time.perf_counter() - t0) * 1e3  # an upper bound: the check waits for the result
     times, cycles, longer = [], int(GPU_CYCLES_PER_MS * min(max(2 * host_ms, 0.2), 50)), 3
     while len(times) < RUNS:
         run, a = run_once()

@@ -5,9 +5,7 @@ executor's ops are grouped by *barrier depth* — how many ops of other executor
 still lie, on the longest path, between the op and the graph's outputs. Along any edge the depth never
 grows and it drops at each foreign op, so no path leaves a group and comes back: every group is a
 valid region, and the regions form no cycle. An op joins the group of its earliest consumer, except
-work that only feeds the outputs (`_outputs_as_early_as_possible`; docs/design.md, "Dispatch"). Linear
-in the graph size: torch.fx's `CapabilityBasedPartitioner`, used before, took 10–14 s of a 16-layer
-fp8 Llama's first step on the H200 host.
+work that only feeds the outputs (`_outputs_as_early_as_possible`; docs/design.md, "Dispatch").
 """
 from __future__ import annotations
 
@@ -16,7 +14,8 @@ import operator
 from typing import Sequence
 
 import torch.fx as fx
-from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.passes.tools_common import stable_topological_sort
 
 from ir import is_random
 
@@ -39,11 +38,10 @@ def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[s
             partitions = _by_barrier_depth(gm, set(assigned))
         if not partitions:
             continue
-        prefix = f"_part{k}_"
-        fuse_by_partitions(gm, [dict.fromkeys(p) for p in partitions], prefix=prefix, always_return_tuple=True)
-        for node in gm.graph.nodes:
-            if node.op == "call_module" and node.target.startswith(prefix):
-                node.meta["executor"] = ex.name
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for j, nodes in enumerate(partitions):
+            _fuse(gm, sorted(dict.fromkeys(nodes), key=position.__getitem__), f"_part{k}_{j}").meta["executor"] = ex.name
+        stable_topological_sort(gm)  # a region's call goes after its last op; some outputs' users came earlier
     pass_symbol_inputs(gm)
     return _rename_in_order(gm)
 
@@ -124,6 +122,33 @@ def _outputs_as_early_as_possible(gm: fx.GraphModule, assigned: set, depth: dict
 def _producer(node: fx.Node) -> fx.Node:
     """The op or region that made `node`: for an element of a multi-output op, the op."""
     return node.args[0] if node.target is operator.getitem else node
+
+
+def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> fx.Node:
+    """`nodes` (in graph order) moved into submodule `name`, called after the last one. Not torch.fx's
+    `fuse_by_partitions`: it checks each region for cycles (there are none, see above) across the whole
+    graph and generates each one's code, most of which never runs (compiled or cached code does)."""
+    members, sub, env = set(nodes), fx.Graph(), {}
+
+    def outside_input(x: fx.Node) -> fx.Node:
+        if x not in env:
+            env[x] = sub.placeholder(x.name, type_expr=x.type)
+            env[x].meta = dict(x.meta)
+        return env[x]
+    for n in nodes:
+        env[n] = sub.node_copy(n, outside_input)
+    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    sub.output(tuple(env[n] for n in outputs))
+    gm.add_submodule(name, _LazyGraphModule(gm, sub, class_name=name))
+    with gm.graph.inserting_after(nodes[-1]):
+        call = gm.graph.call_module(name, tuple(x for x in env if x not in members))
+    call.meta["val"] = tuple(n.meta.get("val") for n in outputs)
+    with gm.graph.inserting_before(call.next):
+        for i, n in enumerate(outputs):
+            n.replace_all_uses_with(gm.graph.call_function(operator.getitem, (call, i)), propagate_meta=True)
+    for n in reversed(nodes):
+        gm.graph.erase_node(n)
+    return call
 
 
 def _rename_in_order(gm: fx.GraphModule) -> list[tuple[str, str]]:

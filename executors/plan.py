@@ -35,14 +35,10 @@ log = get_logger("dispatch")
 
 
 class CompiledRegion(torch.nn.Module):
-    """One region as it runs: the executor's compiled callable, named for the region.
-
-    Its first call is checked (`executors/result_check.py`): a wrong result is replaced by the result
-    of the next executor that claims the region (`replace`), which then runs it; later calls are not
-    checked (`PIPELINE_DEBUG=1` checks every call).
-
-    While `CompiledRegion.profiling` is set (by `pipeline.profile`), each call is a named range
-    (`region3:inductor`) in the profiler's timeline and chrome trace."""
+    """One region as it runs: the executor's compiled callable. Its first call is checked
+    (`result_check.py`; `PIPELINE_DEBUG=1`: every call): a wrong result is replaced by that of the next
+    executor claiming the region (`replace`), which then runs it. While `profiling` is set
+    (`pipeline.profile`), each call is a named range (`region3:inductor`) in the profiler's trace."""
 
     profiling = False
 
@@ -135,8 +131,7 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     `artifacts` (region key -> `RegionArtifact`): the compiled-artifact cache, loaded from and filled.
     `donated`: indices of the trace's inputs nothing reads after this stage (AOTAutograd's
     `bw_donated_idxs`: saved activations in a backward), marked by `mark_donated_inputs`.
-    `on_fallback(message)`: told when a region's first result is wrong and the region moves to the
-    next executor (default: a `PipelineFallbackWarning`).
+    `on_fallback(message)`: told when a region's wrong first result moves it to the next executor.
     `autotune(seconds)`, when given, races regions more than one of `executors` takes (autotune.py);
     it is told what measuring took once a choice is in `artifacts`."""
     gm = trace.editable()

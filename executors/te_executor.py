@@ -5,11 +5,7 @@ level) trace are swapped, before autodiff, for the custom op `pipeline_te::linea
 own autograd: TE's forward GEMM, and TE's own dgrad/wgrad GEMMs in `pipeline_te::linear_backward`.
 AOTAutograd keeps both as single ops, and this operator executor claims them.
 
-    from executors import te
-    from transformer_engine.common.recipe import DelayedScaling
-    pipeline.jit(model, executors=[te, "nvfuser", "inductor"])                   # bf16 GEMMs
-    pipeline.jit(model, executors=[te.fp8(), "nvfuser", "inductor"])             # fp8, current scaling
-    pipeline.jit(model, executors=[te.fp8(DelayedScaling()), "nvfuser", "inductor"])  # fp8, delayed
+    pipeline.jit(model, executors=[te.fp8(DelayedScaling()), "inductor"])   # or te (bf16), te.fp8() (current)
 
 Recipes, fp8 formats, the delayed-scaling state (`te_scaling.py`) and what TE does not take:
 docs/executors.md, "`te`".

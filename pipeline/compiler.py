@@ -1,12 +1,7 @@
-"""The Dynamo backend: runs the stages for each captured graph.
-
-    capture (Dynamo) → runtime wrappers' pre_compile → before-autodiff passes → lowering + autodiff
-    (AOTAutograd; joint passes run before partitioning) → after-autodiff passes → dispatch to
-    executors (regions found in the compiled-artifact cache are loaded, not compiled) → runtime
-    wrappers' post_compile
-
-Every stage's output is an `ir.Trace`, kept in the graph's `GraphRecord`. A graph whose lowering
-fails runs in eager (the Dynamo graph as captured) with the reason recorded.
+"""The Dynamo backend: for each captured graph, capture → runtime wrappers' pre_compile → passes →
+lowering and autodiff (AOTAutograd; joint passes before its partitioner) → passes → dispatch to the
+executors (cached regions loaded) → wrappers' post_compile. Every stage's output is an `ir.Trace` in the
+graph's `GraphRecord`; a graph whose lowering fails runs in eager, with the reason recorded.
 """
 from __future__ import annotations
 

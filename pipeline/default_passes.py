@@ -3,10 +3,9 @@
     print(pipeline.default_passes())                           # what runs besides yours
     pipeline.jit(model, transforms=[mixed_precision("bf16"), pipeline.without("grouped_kv_attention")])
 
-Each runs after the user's passes of its stage: `causal_attention`, then `grouped_kv_attention`, after
-the before-autodiff passes (so they see mixed precision's autocast), `save_policy` after the joint passes (just before
-the partitioner). They are optimizations: one that raises leaves the graph compiling without it,
-with the reason in `compile_stats` (`TracePass.optional`).
+Each runs after the user's passes of its stage (so `causal_attention` and `grouped_kv_attention` see
+mixed precision's autocast; `save_policy` runs just before the partitioner). One that raises leaves
+the graph compiling without it, the reason in `compile_stats` (`TracePass.optional`).
 """
 from __future__ import annotations
 

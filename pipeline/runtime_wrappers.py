@@ -1,7 +1,6 @@
-"""Runtime wrappers (docs/design.md, "Stages"): small objects around the compiled code, applied as an
-ordered chain, as AOTAutograd's `CompilerWrapper`s are. `pre_compile` changes what is compiled (the trace
-and its example inputs), `post_compile` wraps the compiled callable; `metadata()` is everything
-`post_compile` needs, and exactly what a cache entry stores to rebuild the wrapper (`from_metadata`).
+"""Runtime wrappers (docs/design.md, "Stages"), a chain as AOTAutograd's `CompilerWrapper`s are:
+`pre_compile` changes what is compiled, `post_compile` wraps the compiled callable, and `metadata()`
+is all `post_compile` needs: what a cache entry stores to rebuild it (`from_metadata`).
 
     wrappers = graph_wrappers(state)
     trace, inputs = pre_compile_all(wrappers, trace, inputs, record)    # first to last
