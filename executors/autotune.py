@@ -65,11 +65,12 @@ class Race:
             times = {}  # never measured inside a CUDA-graph capture: the first listed runs
         else:  # every GPU's RNG is restored: a region may draw on one without reading from it
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            on_gpu = cuda and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)  # else wall time
             with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else []):
                 times, spread, failed = {}, {}, []
                 for name, fn in self.candidates.items():
                     try:
-                        times[name], spread[name] = _median_ms(fn, args, self.donated, cuda, self.problem)
+                        times[name], spread[name] = _median_ms(fn, args, self.donated, on_gpu, self.problem)
                     except Exception as e:  # a candidate failing on these inputs, or wrong, is not chosen
                         failed.append(f"{name} failed when timed: {type(e).__name__}: {str(e).strip()[:200]}")
             if not times:
@@ -100,7 +101,7 @@ def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem
     t0 = time.perf_counter()
     if (wrong := problem(run(a))) is not None:
         raise ValueError(wrong)
-    host_ms = (time.perf_counter() - t0) * 1e3  # an upper bound: the check waits for the result
+    host_ms = (time.perf_counter() - t0) * 1e3  # launching, and any first-call work
     times, cycles, longer = [], int(GPU_CYCLES_PER_MS * min(max(2 * host_ms, 0.2), 50)), 3
     while len(times) < RUNS:
         run, a = run_once()
@@ -115,9 +116,9 @@ def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem
             woke_early = begin.query()  # the GPU was done sleeping before the host was done launching
             end.record()
             end.synchronize()
-            if woke_early and longer:  # that run timed the launching too (or the region waits for
-                cycles, longer = cycles * 4, longer - 1  # the GPU): again with a longer sleep, 3 times at most
-                continue
+            if woke_early and longer:  # that run timed the launching too (or the region waits for the
+                cycles, longer = min(cycles * 4, int(50 * GPU_CYCLES_PER_MS)), longer - 1  # GPU): again, with
+                continue  # a longer sleep (50 ms at most), 3 times at most
         times.append(begin.elapsed_time(end) if cuda else host)
     median = statistics.median(times)
     return median, statistics.median(abs(t - median) for t in times)

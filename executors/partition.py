@@ -126,22 +126,19 @@ def _producer(node: fx.Node) -> fx.Node:
 
 def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> fx.Node:
     """`nodes` (in graph order) moved into submodule `name`, called after the last one. Not torch.fx's
-    `fuse_by_partitions`: it checks each region for cycles (there are none, see above) across the whole
-    graph and generates each one's code, most of which never runs (compiled or cached code does)."""
-    members, sub, env = set(nodes), fx.Graph(), {}
-
-    def outside_input(x: fx.Node) -> fx.Node:
-        if x not in env:
-            env[x] = sub.placeholder(x.name, type_expr=x.type)
-            env[x].meta = dict(x.meta)
-        return env[x]
+    `fuse_by_partitions`: it checks every region for cycles (none: see above) and makes its code."""
+    members, sub = set(nodes), fx.Graph()
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
+    env = {x: sub.placeholder(x.name, type_expr=x.type) for x in inputs}  # in order of first use
+    for x in inputs:
+        env[x].meta = dict(x.meta)
     for n in nodes:
-        env[n] = sub.node_copy(n, outside_input)
+        env[n] = sub.node_copy(n, env.__getitem__)
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     sub.output(tuple(env[n] for n in outputs))
     gm.add_submodule(name, _LazyGraphModule(gm, sub, class_name=name))
     with gm.graph.inserting_after(nodes[-1]):
-        call = gm.graph.call_module(name, tuple(x for x in env if x not in members))
+        call = gm.graph.call_module(name, tuple(inputs))
     call.meta["val"] = tuple(n.meta.get("val") for n in outputs)
     with gm.graph.inserting_before(call.next):
         for i, n in enumerate(outputs):

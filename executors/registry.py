@@ -12,9 +12,8 @@ def known_executors() -> dict[str, Executor]:
 
 
 def resolve(executors: Sequence) -> tuple[list[Executor], list[str]]:
-    """Executor objects for `executors` (objects or names), in order, without the unavailable ones,
-    and a message per one left out (the caller reports them as fallbacks); raises when none of the
-    listed ones is available, naming each and why."""
+    """Executor objects for `executors` (objects or names), in order, without the unavailable ones, and
+    a message per one left out (reported as fallbacks); raises when none is available, saying why."""
     if isinstance(executors, (str, Executor)) or not hasattr(executors, "__iter__"):
         raise TypeError(f"executors must be a list of executors or their names, got {executors!r}")
     known = known_executors()
@@ -37,4 +36,4 @@ def resolve(executors: Sequence) -> tuple[list[Executor], list[str]]:
     if not usable:
         raise RuntimeError("none of the listed executors is available here — "
                            + "; ".join(f"{name}: {why}" for name, why in reasons.items()))
-    return usable, [f"executor {name!r} is not available and is skipped: {why}" for name, why in reasons.items() if why]
+    return usable, [f"executor {name!r} is not available and is skipped: {why}" for name, why in reasons.items() if why is not None]

@@ -181,3 +181,24 @@ def test_a_gpu_run_the_sleep_did_not_cover_is_timed_again_with_a_longer_sleep(mo
     longer = 1 if woke_early == "once" else 3
     assert len(sleeps) == autotune.RUNS + longer
     assert sleeps[:longer + 1] == [sleeps[0] * 4 ** k for k in range(longer + 1)]
+
+
+def test_a_cpu_region_is_wall_timed_in_a_process_that_uses_cuda(monkeypatch):
+    """Whether CUDA is in use in the process does not decide how a region is timed: one whose inputs
+    are on the CPU is timed by the wall clock (GPU events around it would time an idle GPU: ~0 ms for
+    every candidate, and the first listed always kept). CUDA faked as initialised; its events raise."""
+    from ir import Region
+    gm = torch.fx.symbolic_trace(lambda x: (x + 1,))
+    slow, fast = Timed("slow"), Timed("fast")
+    chosen = []
+    race = autotune.Race([(slow, lambda x: (time.sleep(0.005), (x + 1,))[1]), (fast, lambda x: (x + 1,))],
+                         Region(0, "forward", "slow", ["add"], [], []), gm,
+                         lambda name, times, seconds: chosen.append((name, times)), lambda out: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Event", None)  # calling it raises: no GPU timing of a CPU region
+    torch.testing.assert_close(race(torch.ones(4)), (torch.full((4,), 2.0),))
+    [(name, times)] = chosen
+    assert name == "fast" and times["slow"] > 4 > times["fast"], times
