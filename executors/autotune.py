@@ -45,9 +45,7 @@ class Race:
         self.chosen: Optional[Callable] = None
 
     def __call__(self, *args):
-        if self.chosen is None:
-            self._choose(list(args))
-        return self.chosen(*args)
+        return self.boxed(list(args))
 
     def boxed(self, args: list):
         if self.chosen is None:

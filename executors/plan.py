@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ir import PipelineFallbackWarning, PipelineWarning, Region, Step, Trace, describe_value, get_logger, node_value
 from ir.symbols import check_symbols_bound
@@ -257,11 +258,8 @@ class _RegionBuilder:
             if key is not None and times:  # a choice made without measuring (in a capture) is not kept
                 self.artifacts.pop(key, None)
                 _store(self.artifacts, key, race.chosen, source, region, self.by_name[name], self.uncached)
-                if key in self.artifacts:
-                    self.artifacts[key].race = times
             self.autotune(seconds)
-        check = ResultCheck(source, region, None)
-        race = Race(candidates, region, source, decided, lambda out: check.problem(out))
+        race = Race(candidates, region, source, decided, ResultCheck(source, region, None).problem)
         return race
 
 
@@ -280,7 +278,7 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
     example_inputs = _example_inputs(source)
     try:
         with _isolated(example_inputs):
-            fn = by_name[artifact.executor].load_region(artifact.data, source, example_inputs)
+            fn = _code_made(by_name[artifact.executor].load_region(artifact.data, source, example_inputs))
     except Exception as e:  # a stale or foreign artifact: compile the region instead
         notes.append(f"region {region.id}: cached {artifact.executor} artifact did not load "
                      f"({type(e).__name__}: {str(e).strip()[:200]}); compiled")
@@ -297,7 +295,7 @@ def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, 
     if reason is None:
         try:
             artifacts[key] = RegionArtifact(ex.name, ex.save_region(fn), region.fallback_reason,
-                                            structure_key(source))
+                                            structure_key(source), region.race)
             return
         except Exception as e:  # not storable: the region still runs, it is compiled next time
             reason = f"{ex.name} could not save it: {type(e).__name__}: {str(e).strip()[:200]}"
@@ -364,7 +362,15 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback) -> 
 
 def _compile_isolated(ex: Executor, source: fx.GraphModule, example_inputs):
     with _isolated(example_inputs):
-        return ex.compile_region(source, example_inputs)
+        return _code_made(ex.compile_region(source, example_inputs))
+
+
+def _code_made(fn):
+    """`fn`, or if it is a lazy region module's stub (`partition`), the code it stands for, made now."""
+    if getattr(fn, "__func__", None) is _LazyGraphModule._lazy_forward:
+        fn.__self__.real_recompile()
+        return fn.__self__.forward
+    return fn
 
 
 def _isolated(example_inputs):

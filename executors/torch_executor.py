@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .base import RebuiltFromGraph
 from .graph_utils import keep_promised_strides, meta_strides_unreliable, promised_strides
@@ -27,7 +26,6 @@ class TorchExecutor(RebuiltFromGraph):
 def _with_promised_strides(gm: fx.GraphModule):
     """`gm.forward`; where an op's fake strides are known to be unreliable, its region's outputs are
     copied into the strides the trace promised (other executors compiled against those)."""
-    _LazyGraphModule.force_recompile(gm)  # its code now, or each call would go through the lazy stub
     if not any(meta_strides_unreliable(n) for n in gm.graph.nodes):
         return gm.forward
     promised = promised_strides(gm)

@@ -102,3 +102,26 @@ def test_one_list_of_linear_ops():
     from transforms.group_linears import LINEARS as grouped
     assert grouped is LINEARS and torch.nn.functional.linear in LINEARS
     assert "_LINEARS" not in (ROOT / "executors" / "te_executor.py").read_text()
+
+
+def test_a_region_forward_an_executor_returns_runs_its_code_not_the_lazy_stub():
+    """Regions are made without their Python code (partition makes it when run); an executor that
+    returns `gm.forward`, as the README's does, gets the code itself, not a stub that would check
+    for code on every call."""
+    import pipeline
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    class Forward(Executor):
+        name, kind = "forward", "fusion"
+
+        def claims_op(self, op, node):
+            return True
+
+        def compile_region(self, gm, example_inputs):
+            return gm.forward
+
+    cm = pipeline.jit(lambda x: (x.sin() * 2).cos(), executors=[Forward()], cache=False)
+    x = torch.randn(4)
+    torch.testing.assert_close(cm(x), (x.sin() * 2).cos())
+    fns = [m.fn for t in pipeline.last_traces(cm) for m in t.module.children() if hasattr(m, "fn")]
+    assert fns and all(getattr(fn, "__func__", None) not in (None, _LazyGraphModule._lazy_forward) for fn in fns)
