@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 import pipeline
-from pipeline import trace_pickle, warm_start
+from ir import trace_pickle
+from pipeline import warm_start
 from test_cache import assert_identical, compile_and_step
 
 
