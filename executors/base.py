@@ -47,11 +47,6 @@ class Executor:
     claims_table: Optional[ClaimTable] = None  # read by the default `claims_op`
     outputs_may_alias_inputs: bool = False  # regions may return an input where the trace has a copy
     cuda_graphs_safe: bool = True  # False: its kernels cannot be recorded in a CUDA graph (host syncs)
-    compile_workers: int = 0  # > 0: a `Cacheable`'s regions compile in that many processes (compile_workers.py)
-
-    def compiles_in_worker(self, gm: fx.GraphModule, example_inputs: Sequence) -> bool:
-        """Whether this region is compiled in a worker process (compile_workers.py)."""
-        return self.compile_workers > 0
 
     def unavailable_reason(self) -> str | None:
         """None when the executor can run here; otherwise why not (what is missing, how to get it)."""

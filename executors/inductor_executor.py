@@ -19,7 +19,6 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from . import compile_workers
 from .artifact_files import artifact_files_dir, write_file
 from .base import Cacheable, PerModel, PreparesGraph, RegionDeclined
 from .graph_utils import (computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,
@@ -31,15 +30,13 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
     name = "inductor"
     kind = "fusion"
 
-    def __init__(self, fallback_random: bool = False, compile_workers: int | None = None):
+    def __init__(self, fallback_random: bool = False):
         self.fallback_random = fallback_random
-        self.compile_workers = _default_workers() if compile_workers is None else compile_workers
 
-    def options(self, *, fallback_random: bool = False, compile_workers: int | None = None) -> "InductorExecutor":
+    def options(self, *, fallback_random: bool = False) -> "InductorExecutor":
         """This executor with Inductor options: `fallback_random=True` runs random ops with eager's
-        kernels; `compile_workers=N` compiles GPU regions in N processes (default: half the CPUs, up to 8;
-        docs/executors.md, "inductor")."""
-        return InductorExecutor(fallback_random=fallback_random, compile_workers=compile_workers)
+        kernels (docs/executors.md, "inductor")."""
+        return InductorExecutor(fallback_random=fallback_random)
 
     def for_model(self) -> "InductorExecutor":
         """Starts Inductor's parallel compile workers now, as torch.compile's backend does on entry:
@@ -47,15 +44,9 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         try:
             from torch._inductor.async_compile import maybe_warm_pool
             maybe_warm_pool()
-            if self.compile_workers and torch.cuda.is_available():
-                compile_workers.start(self.compile_workers)
         except Exception:  # an optimisation only: without workers, kernels compile in-process
             pass
         return self
-
-    def compiles_in_worker(self, gm, example_inputs) -> bool:
-        """GPU regions only: on the CPU each new worker first probes the vector ISA by compiling (~20 s)."""
-        return self.compile_workers > 0 and any(getattr(v, "is_cuda", False) for v in example_inputs)
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -134,13 +125,13 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
 
     def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
         """Loaded with Inductor's cache dir set to the pipeline cache's own (docs/cache.md, "What is
-        checked before anything runs", 3.); with the cache off (a region from a compile worker), to
-        Inductor's own, where it would have compiled the region."""
+        checked before anything runs", 3.)."""
         from torch._inductor.output_code import CompiledFxGraphConstants
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
         from torch._inductor.utils import BoxedBool
 
-        own = artifact_files_dir("inductor") or cache_dir()
+        own = artifact_files_dir("inductor")
+        if own is None:
+            raise RuntimeError("no private directory for Inductor's kernels (the pipeline cache is off)")
         stored = pickle.loads(data)
         for rel, content in stored["files"].items():
             _put_verified(own, rel, content)
@@ -408,14 +399,6 @@ _DECOMPOSE_BEFORE_PARTITION = (
     torch.ops.aten.detach.default, torch.ops.aten._log_softmax.default,
     torch.ops.aten._log_softmax_backward_data.default, torch.ops.aten._softmax.default,
     torch.ops.aten._softmax_backward_data.default, torch.ops.aten.nll_loss_backward.default)
-
-
-def _default_workers() -> int:
-    """`PIPELINE_COMPILE_WORKERS`, else half the CPUs up to 8; none below 4 CPUs (no gain there)."""
-    if "PIPELINE_COMPILE_WORKERS" in os.environ:
-        return int(os.environ["PIPELINE_COMPILE_WORKERS"])
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(8, cpus // 2) if cpus >= 4 else 0
 
 
 @functools.cache

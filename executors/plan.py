@@ -22,7 +22,6 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from ir import PipelineFallbackWarning, PipelineWarning, Region, Step, Trace, describe_value, get_logger, node_value
 from ir.symbols import check_symbols_bound
 
-from . import compile_workers
 from .autotune import Race, why_not_raced
 from .base import Executor, RegionDeclined, op_name
 from .dispatch import Assignment, assign
@@ -179,18 +178,15 @@ class _RegionBuilder:
         self.autotune_seconds = 0.0
 
     def build_all(self, named, first_region_id: int) -> list[Region]:
-        regions, structures = [], {}
-        for sub_name, _ in named:
-            try:
-                structures[sub_name] = structure_key(self.gm.get_submodule(sub_name)), None
-            except Exception as e:  # e.g. a constant without data: compiled, not cached
-                structures[sub_name] = None, f"{type(e).__name__}: {e}"
-        ahead = self._compile_ahead(named, structures)
+        regions = []
         for k, (sub_name, ex_name) in enumerate(named):
             source = self.gm.get_submodule(sub_name)
             region = _describe(source, first_region_id + k, self.stage, ex_name, self.graph_id,
                                self.order)
-            structure, why_no_key = structures[sub_name]
+            try:
+                structure, why_no_key = structure_key(source), None
+            except Exception as e:  # e.g. a constant without data: compiled, not cached
+                structure, why_no_key = None, f"{type(e).__name__}: {e}"
             twin = self.compiled.get((ex_name, structure)) if structure else None
             if twin is not None:  # the same region one layer down: run the code built for the first
                 fn, first = twin
@@ -201,7 +197,7 @@ class _RegionBuilder:
                 if isinstance(fn, Race) and fn.chosen is None:
                     fn.regions.append(region)
             else:
-                fn = self._load_or_compile(source, region, ex_name, structure, why_no_key, ahead.get(sub_name))
+                fn = self._load_or_compile(source, region, ex_name, structure, why_no_key)
                 log.info("%s %s: region %d/%d (%d ops) %s by %s in %.2f s", self.graph_id, self.stage, k + 1,
                          len(named), region.op_count, "loaded" if region.id in self.loaded else "compiled",
                          region.executor, region.compile_seconds)
@@ -214,46 +210,21 @@ class _RegionBuilder:
             regions.append(region)
         return regions
 
-    def _key(self, structure) -> Optional[str]:
-        if self.artifacts is None or not structure:
-            return None
-        return region_key(structure, self.order, *(["autotune"] if self.autotune else []))
-
-    def _compile_ahead(self, named, structures) -> dict:
-        """Futures of the regions compiled in worker processes (compile_workers.py): the first of
-        each kind whose executor has workers, not in the cache, with static shapes."""
-        ahead, seen = {}, set()
-        for sub_name, ex_name in named:
-            ex, (structure, _) = self.by_name[ex_name], structures[sub_name]
-            if not ex.compile_workers or not structure or (ex_name, structure) in seen:
-                continue
-            seen.add((ex_name, structure))
-            source = self.gm.get_submodule(sub_name)
-            inputs = _example_inputs(source)
-            if (self._key(structure) in (self.artifacts or {}) or not ex.compiles_in_worker(source, inputs)
-                    or ex.artifact_unsupported_reason(source, inputs) is not None):
-                continue
-            if (future := compile_workers.submit(ex, source)) is not None:
-                ahead[sub_name] = future
-        return ahead
-
-    def _load_or_compile(self, source, region, ex_name, structure, why_no_key, ahead=None) -> Callable:
-        artifacts, fn, key, failed = self.artifacts, None, self._key(structure), False
-        if artifacts is not None and not structure:
+    def _load_or_compile(self, source, region, ex_name, structure, why_no_key) -> Callable:
+        artifacts, fn, key = self.artifacts, None, None
+        if artifacts is not None and structure:
+            key = region_key(structure, self.order, *(["autotune"] if self.autotune else []))
+        elif artifacts is not None:
             self.uncached.append(f"region {region.id} not cached: no key ({why_no_key})")
         if key is not None:
             fn = _load_cached(artifacts.get(key), source, structure, region, self.by_name, self.uncached)
             if fn is not None:
                 self.loaded.add(region.id)
         if fn is None:
-            fn, artifact = _load_compiled_ahead(ahead, source, structure, region, self.by_name)
-            if fn is None:
-                fn, failed = _compile_with_fallback(source, region, self.by_name[ex_name], self.order, self.fallback)
+            fn, failed = _compile_with_fallback(source, region, self.by_name[ex_name], self.order, self.fallback)
             race = self._race(fn, source, region, None if failed else key) if self.autotune else None
             if race is not None:
                 fn = race  # stored once its first call has chosen
-            elif key is not None and artifact is not None:
-                artifacts[key] = artifact
             elif key is not None and not failed:
                 _store(artifacts, key, fn, source, region, self.by_name[region.executor], self.uncached)
             elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
@@ -316,22 +287,6 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
     region.executor, region.race = artifact.executor, artifact.race
     region.fallback_reason = artifact.fallback_reason
     return fn
-
-
-def _load_compiled_ahead(future, source, structure: str, region: Region, by_name):
-    """(the region as its worker compiled it, its artifact), or (None, None): compiled here instead."""
-    if future is None:
-        return None, None
-    start = time.perf_counter()
-    data, why_not = compile_workers.result(future)
-    artifact = RegionArtifact(region.executor, data, None, structure) if data is not None else None
-    load_notes: list[str] = []
-    fn = _load_cached(artifact, source, structure, region, by_name, load_notes)
-    if fn is None:
-        log.info("region %d: compiled here, not by a worker (%s)", region.id, why_not or "; ".join(load_notes))
-        return None, None
-    region.compile_seconds, region.compiled_in_worker = time.perf_counter() - start, True
-    return fn, artifact
 
 
 def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, notes) -> None:

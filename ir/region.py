@@ -16,8 +16,7 @@ class Region:
     output_shapes: list[str]
     graph_id: str = ""            # which captured graph the region belongs to
     fallback_reason: Optional[str] = None  # why a listed executor did not run it, if one was skipped
-    compile_seconds: float = 0.0  # in a worker process: the wait for it and the load
-    compiled_in_worker: bool = False
+    compile_seconds: float = 0.0
     compiled_as: Optional[int] = None  # an identical earlier region whose compiled code this one runs
     gemm_flops: int = 0           # matmul FLOPs per call
     fp8_gemm_flops: int = 0       # of which in fp8

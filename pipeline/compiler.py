@@ -232,8 +232,7 @@ class PipelineBackend:
             record.seconds["autotune"] += execution.autotune_seconds
         for region in execution.regions:
             record.seconds["dispatch"] -= region.compile_seconds
-            where = ("cache load" if region.id in execution.loaded else f"compile:{region.executor}"
-                     + (" (in workers)" if region.compiled_in_worker else ""))
+            where = "cache load" if region.id in execution.loaded else f"compile:{region.executor}"
             record.seconds[where] += region.compile_seconds
         record.regions += execution.regions
         for region in execution.regions:

@@ -18,7 +18,7 @@ from torch._inductor.output_code import OutputCode
 
 from ir import Trace
 
-from ir import trace_pickle
+from . import trace_pickle
 
 # the function that turns a loaded StageCode's trace into the callable it runs (set while loading)
 _LOADER: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("pipeline_stage_loader", default=None)

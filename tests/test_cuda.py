@@ -41,22 +41,6 @@ def test_inductor_on_cuda_trains_llama_like_eager(dtype, tol):
     assert {r.executor for r in pipeline.regions(cm)} == {"inductor"}
 
 
-def test_inductor_compiles_gpu_regions_in_worker_processes():
-    """Each distinct Inductor region is compiled in a worker (executors/compile_workers.py), loaded here, and
-    trains like eager; compile_stats names the time spent waiting for the workers."""
-    from executors import inductor
-    model, eager = llama_pair(torch.float32)
-    tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
-    cm = pipeline.jit(model, executors=[inductor.options(compile_workers=2)])
-    torch.testing.assert_close(step(cm, tokens), step(eager, tokens), rtol=1e-4, atol=1e-4)
-    assert_grads_close(model, eager, 1e-4, 1e-5)
-    regions = pipeline.regions(cm)
-    assert {r.executor for r in regions} == {"inductor"} and {r.stage for r in regions} == {"forward", "backward"}
-    assert all(r.compiled_in_worker for r in regions if r.compiled_as is None), regions
-    stats = pipeline.compile_stats(cm)
-    assert stats.seconds["compile:inductor (in workers)"] > 0 and not stats.fallbacks
-
-
 def test_torch_executor_on_cuda_is_bit_identical():
     model, eager = llama_pair(torch.float32)
     tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")

@@ -6,8 +6,7 @@ import torch
 import torch.nn as nn
 
 import pipeline
-from ir import trace_pickle
-from pipeline import warm_start
+from pipeline import trace_pickle, warm_start
 from test_cache import assert_identical, compile_and_step
 
 
