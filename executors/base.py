@@ -11,10 +11,6 @@ import torch
 import torch.fx as fx
 
 from .claims import ClaimTable
-# Re-exported for the modules that import them from here; new code imports them from where they live.
-from .artifact_files import artifact_files_dir, set_artifact_files_root  # noqa: F401
-from .graph_utils import (computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,  # noqa: F401
-                          meta_strides_unreliable, op_name, promised_strides)
 
 RegionFn = Callable[..., tuple]
 

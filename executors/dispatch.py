@@ -11,7 +11,8 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .base import Executor, is_symbolic_glue
+from .base import Executor
+from .graph_utils import is_symbolic_glue
 from .decompose import decompose_node, splice
 
 MAX_DECOMPOSITION_DEPTH = 8

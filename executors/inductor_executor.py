@@ -395,10 +395,9 @@ def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.Gra
         return joint_graph_passes(decomposed)
 
 
-_DECOMPOSE_BEFORE_PARTITION = (
-    torch.ops.aten.detach.default, torch.ops.aten._log_softmax.default,
-    torch.ops.aten._log_softmax_backward_data.default, torch.ops.aten._softmax.default,
-    torch.ops.aten._softmax_backward_data.default, torch.ops.aten.nll_loss_backward.default)
+_DECOMPOSE_BEFORE_PARTITION = (torch.ops.aten.detach.default, torch.ops.aten._log_softmax.default,
+                               torch.ops.aten._log_softmax_backward_data.default, torch.ops.aten._softmax.default,
+                               torch.ops.aten._softmax_backward_data.default, torch.ops.aten.nll_loss_backward.default)
 
 
 @functools.cache

@@ -15,8 +15,8 @@ import torch.fx as fx
 
 from ir import node_value
 
-from .base import (RebuiltFromGraph, RegionDeclined, computes_nothing, cuda_library_missing, keep_promised_strides,
-                   library_version, promised_strides)
+from .base import RebuiltFromGraph, RegionDeclined, cuda_library_missing, library_version
+from .graph_utils import computes_nothing, keep_promised_strides, promised_strides
 from .nvfuser_ops import CLAIMS, NO_NVFUSER_DTYPES, define_fusion as _define
 
 

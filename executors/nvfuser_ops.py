@@ -264,8 +264,7 @@ def _amax_or_amin(fd, node, x, dims=(), keepdim=False):
 
 @_op(aten.var_mean.correction)
 def _var_mean(fd, node, x, dims=None, *, correction=None, keepdim=False):
-    var, mean = fd.ops.var_mean(x, _dims(dims, _rank(node)), int(1 if correction is None else correction),
-                                keepdim)
+    var, mean = fd.ops.var_mean(x, _dims(dims, _rank(node)), int(1 if correction is None else correction), keepdim)
     want = node_value(node)
     return (fd.ops.cast(var, _nv(want[0].dtype)), fd.ops.cast(mean, _nv(want[1].dtype)))
 

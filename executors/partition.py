@@ -19,7 +19,8 @@ from torch.fx.passes.tools_common import stable_topological_sort
 
 from ir import is_random
 
-from .base import Executor, computes_nothing, op_name
+from .base import Executor
+from .graph_utils import computes_nothing, op_name
 from .symbol_inputs import pass_symbol_inputs
 
 

@@ -23,11 +23,12 @@ from ir import PipelineFallbackWarning, PipelineWarning, Region, Step, Trace, de
 from ir.symbols import check_symbols_bound
 
 from .autotune import Race, why_not_raced
-from .base import Executor, RegionDeclined, op_name
+from .base import Executor, RegionDeclined
+from .graph_utils import op_name
 from .dispatch import Assignment, assign
 from .donation import mark_donated_inputs
 from .partition import keep_islands_whole, partition
-from .region_keys import region_key, structure_key, tensor_digest, value_signature  # noqa: F401 (re-exported)
+from .region_keys import region_key, structure_key
 from .result_check import ResultCheck
 from .torch_executor import torch_executor
 
@@ -181,8 +182,7 @@ class _RegionBuilder:
         regions = []
         for k, (sub_name, ex_name) in enumerate(named):
             source = self.gm.get_submodule(sub_name)
-            region = _describe(source, first_region_id + k, self.stage, ex_name, self.graph_id,
-                               self.order)
+            region = _describe(source, first_region_id + k, self.stage, ex_name, self.graph_id, self.order)
             try:
                 structure, why_no_key = structure_key(source), None
             except Exception as e:  # e.g. a constant without data: compiled, not cached

@@ -15,8 +15,7 @@ from ir import Region, describe_value, node_value
 class ResultCheck:
     """What one region's outputs must be, and how to get a replacement when they are not."""
 
-    def __init__(self, source: fx.GraphModule, region: Region,
-                 replace: Optional[Callable[[str], Callable]]):
+    def __init__(self, source: fx.GraphModule, region: Region, replace: Optional[Callable[[str], Callable]]):
         out = list(source.graph.nodes)[-1].args[0]
         self.expected = [node_value(a) if isinstance(a, fx.Node) else a for a in out]
         self.region = region

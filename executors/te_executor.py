@@ -143,8 +143,7 @@ def _backward(ctx, grads):
     if ctx.fp8:
         x, weight, x_si, w_si = saved
         saved = [_transposed_fp8(x.reshape(-1, x.shape[-1]), x_si), x_si, _transposed_fp8(weight, w_si), w_si]
-    grads = torch.ops.pipeline_te.linear_backward(grads[0], saved, ctx.has_bias, ctx.fp8,
-                                                  ctx.scaling, ctx.index)
+    grads = torch.ops.pipeline_te.linear_backward(grads[0], saved, ctx.has_bias, ctx.fp8, ctx.scaling, ctx.index)
     return grads[0], grads[1], (grads[2] if ctx.has_bias else None), None, None, None
 
 
@@ -196,8 +195,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
                             f"DelayedScaling(...) or Float8CurrentScaling(), or None for current scaling")
         if recipe is not None:
             recipe_formats(recipe)  # rejects formats the ops do not implement
-        return TEExecutor(fp8=True, recipe=recipe if kind == "DelayedScaling" else None,
-                          group_linears=self.grouping)
+        return TEExecutor(fp8=True, recipe=recipe if kind == "DelayedScaling" else None, group_linears=self.grouping)
 
     def cache_token(self) -> str:
         return (f"te {library_version('transformer_engine')} fp8={self.use_fp8} recipe={self.recipe!r} "

@@ -176,8 +176,7 @@ class DelayedScalingState:
                 continue
             tex.fused_amax_and_scale_update_after_reduction(
                 torch.cat([h[0] for h, _ in stack.chunks]), [h for h, _ in stack.chunks],
-                [s for _, s in stack.chunks], self.recipe.amax_compute_algo, te_dtype(stack.fmt),
-                self.recipe.margin)
+                [s for _, s in stack.chunks], self.recipe.amax_compute_algo, te_dtype(stack.fmt), self.recipe.margin)
 
     # -- state dict: `<module>._extra_state.<attr>_fp8_scale` [x, W, dy] and `..._fp8_amax_history` [L, 3]
     def state(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from executors.base import set_artifact_files_root
+from executors.artifact_files import set_artifact_files_root
 from executors.plan import RegionArtifact
 from executors.region_keys import tensor_digest, value_signature
 from ir import PipelineWarning, get_logger
@@ -222,8 +222,7 @@ def read_entry(key: str) -> Optional[dict]:
         return None
     if payload is None:
         warnings.warn(f"pipeline cache: entry {path} is not authentic (HMAC mismatch: corrupt, truncated, "
-                      f"or not written by you); not read; recompiling and replacing it",
-                      PipelineWarning)
+                      f"or not written by you); not read; recompiling and replacing it", PipelineWarning)
         return None
     try:
         entry = pickle.loads(payload)  # authentic: written by this user's pipeline

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import time
 from typing import Callable, Sequence
 
@@ -53,6 +54,19 @@ class PassError(RuntimeError):
     or returned a trace whose metadata or outputs are not what its ops compute."""
 
 
+@contextlib.contextmanager
+def _old_objects_frozen():
+    """Full GCs skip what predates compiling (`gc.freeze`: each walks torch's heap) unless the program froze some."""
+    freeze = not gc.get_freeze_count()
+    if freeze:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+
+
 class PipelineBackend:
     """A `torch.compile` backend bound to one jitted model's state."""
 
@@ -73,7 +87,8 @@ class PipelineBackend:
         log.info("%s: captured %d ops (Dynamo frame %s)", record.graph_id,
                  sum(n.op.startswith("call") for n in gm.graph.nodes), record.compile_id)
         try:
-            return self._compile(gm, example_inputs, record)
+            with _old_objects_frozen():
+                return self._compile(gm, example_inputs, record)
         except (PassError, PipelineFallbackError, Warning):  # a Warning: warnings are errors here
             raise
         except Exception as e:  # model code the pipeline cannot lower runs in eager, loudly

@@ -66,8 +66,7 @@ def record_stage(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage:
     replayed through cudagraph trees."""
     from torch._inductor.cudagraph_trees import cudagraphify_impl
     from torch._inductor.cudagraph_utils import get_placeholder_info
-    run = cudagraphify_impl(fn, list(example_inputs), static_inputs(trace),
-                            device_index=_device_of(trace).index or 0,
+    run = cudagraphify_impl(fn, list(example_inputs), static_inputs(trace), device_index=_device_of(trace).index or 0,
                             is_backward=stage == "backward", is_inference=stage == "inference",
                             stack_traces=[None] * len(trace.output_values()),  # per output, for its error messages
                             placeholders=tuple(get_placeholder_info(trace.module.graph)))

@@ -112,8 +112,7 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     hooks = tuple(e.before_call for e in resolved if type(e).before_call is not Executor.before_call)
     state = CompileState(JitConfig(executors=tuple(resolved), passes=tuple(passes), owners=_owners(model_or_fn),
                                    replaced=replaced, fullgraph=fullgraph, dynamic=dynamic, cache=cache,
-                                   cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks,
-                                   autotune=autotune))
+                                   cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks, autotune=autotune))
     for message in skipped:  # a listed executor missing here is a fallback: counted, warned, or raised
         report_fallback(state, message)
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad

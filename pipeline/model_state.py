@@ -55,8 +55,7 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
         trains = transform.trainable and param.requires_grad  # a frozen parameter stays frozen
         tensors = {s: torch.nn.Parameter(t.to(target), requires_grad=trains and t.is_floating_point())
                    for s, t in encoded.items()}
-        replaced[qualname] = Replaced(transform, tensors, torch.empty_like(param, device="meta"),
-                                      module_prefix, attr)
+        replaced[qualname] = Replaced(transform, tensors, torch.empty_like(param, device="meta"), module_prefix, attr)
         stand_in = torch.zeros(1, dtype=param.dtype, device=target).expand(param.shape)
         setattr(module, attr, torch.nn.Parameter(stand_in, requires_grad=False))
     if casts:

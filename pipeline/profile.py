@@ -64,6 +64,5 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
         if event is None:
             continue
         micros = getattr(event, "device_time_total", 0) or event.cpu_time_total
-        result.append(RegionTime(r.id, r.stage, r.executor, _clip(_summarize(r.ops), 50), event.count,
-                                 micros / 1e3))
+        result.append(RegionTime(r.id, r.stage, r.executor, _clip(_summarize(r.ops), 50), event.count, micros / 1e3))
     return result

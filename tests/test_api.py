@@ -271,3 +271,22 @@ def test_compiled_stages_free_each_input_after_its_last_use():
     del a
     run(args)
     assert args == [] and seen == [True]  # `a` was freed before the stage returned
+
+
+def test_compiling_freezes_older_objects_for_the_gc_and_releases_them(mlp, monkeypatch):
+    """While a graph compiles, full garbage collections skip the objects that existed before
+    (`gc.freeze`); afterwards nothing stays frozen, and objects the program froze itself stay frozen."""
+    import gc
+    calls = []
+    real_freeze, real_unfreeze = gc.freeze, gc.unfreeze
+    monkeypatch.setattr(gc, "freeze", lambda: (calls.append("freeze"), real_freeze()))
+    monkeypatch.setattr(gc, "unfreeze", lambda: (calls.append("unfreeze"), real_unfreeze()))
+    pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
+    assert calls == ["freeze", "unfreeze"] and gc.get_freeze_count() == 0
+    torch._dynamo.reset()
+    real_freeze()  # the program's own
+    try:
+        pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
+        assert calls == ["freeze", "unfreeze"]  # neither frozen again nor released by the pipeline
+    finally:
+        real_unfreeze()
