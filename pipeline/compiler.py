@@ -138,8 +138,7 @@ class PipelineBackend:
         recording = self._records_warm_start(cache, trace, example_inputs, record)
         stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache,
                                   serializable=recording)
-        # The forward compiler is a SerializableAOTDispatchCompiler only while recording: otherwise
-        # AOTAutograd would consult torch's own cache (its directory, its trust model) for this graph.
+        # Serializable only while recording: else AOTAutograd consults torch's own cache (its dir and trust model).
         forward = functools.partial(stage, "forward")
         start = time.perf_counter()
         inner_before = sum(record.seconds.values())
@@ -210,6 +209,7 @@ class PipelineBackend:
             joint = trace.module
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
+    @_old_objects_frozen()  # a backward stage compiles lazily, at the first backward: outside __call__
     def _lower_stage(self, stage: str, gm: fx.GraphModule, example_inputs, *, record: GraphRecord,
                      captured: Trace, cache: GraphCache | None, serializable: bool = False):
         """AOTAutograd's compiler hook for the forward, backward or inference graph."""

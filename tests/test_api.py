@@ -277,12 +277,16 @@ def test_compiling_freezes_older_objects_for_the_gc_and_releases_them(mlp, monke
     """While a graph compiles, full garbage collections skip the objects that existed before
     (`gc.freeze`); afterwards nothing stays frozen, and objects the program froze itself stay frozen."""
     import gc
+    monkeypatch.setenv("PIPELINE_CACHE", "0")  # the cache records a backward at once; without it, lazily
     calls = []
     real_freeze, real_unfreeze = gc.freeze, gc.unfreeze
     monkeypatch.setattr(gc, "freeze", lambda: (calls.append("freeze"), real_freeze()))
     monkeypatch.setattr(gc, "unfreeze", lambda: (calls.append("unfreeze"), real_unfreeze()))
-    pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
+    out = pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
     assert calls == ["freeze", "unfreeze"] and gc.get_freeze_count() == 0
+    out.sum().backward()  # AOTAutograd compiles the backward stage here, at its first run
+    assert calls == ["freeze", "unfreeze"] * 2 and gc.get_freeze_count() == 0
+    calls[:] = ["freeze", "unfreeze"]
     torch._dynamo.reset()
     real_freeze()  # the program's own
     try:
