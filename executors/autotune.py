@@ -114,9 +114,9 @@ def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem
             woke_early = begin.query()  # the GPU was done sleeping before the host was done launching
             end.record()
             end.synchronize()
-            if woke_early and longer:  # that run timed the launching too (or the region waits for the
-                cycles, longer = min(cycles * 4, int(50 * GPU_CYCLES_PER_MS)), longer - 1  # GPU): again, with
-                continue  # a longer sleep (50 ms at most), 3 times at most
+            if woke_early and longer:  # it timed the launching too: again, sleeping 4x longer (50 ms, 3 times at most)
+                cycles, longer = min(cycles * 4, int(50 * GPU_CYCLES_PER_MS)), longer - 1
+                continue
         times.append(begin.elapsed_time(end) if cuda else host)
     median = statistics.median(times)
     return median, statistics.median(abs(t - median) for t in times)

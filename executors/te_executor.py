@@ -34,8 +34,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     """[y] in bf16 mode; [y, x scale_inv, W scale_inv] in fp8 mode (the backward casts x and W
     again with these scales, in the graph: `_transposed_fp8`).
 
-    `scaling`: -1 for current scaling, else the handle of a `DelayedScalingState`, whose linear
-    `index` this is."""
+    `scaling`: -1 for current scaling, else the handle of a `DelayedScalingState`, whose linear `index` this is."""
     from transformer_engine.pytorch.cpp_extensions import general_gemm
     x2 = x.reshape(-1, x.shape[-1])
     shape = (*x.shape[:-1], weight.shape[0])
@@ -299,8 +298,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
     def _allocate_state(self, device: torch.device) -> None:
         """What the TE ops keep across calls (cuBLAS workspace, quantizers' scales, delayed-scaling
         history) is allocated now, at compile time: allocated during a first call, it would land in
-        the memory pool of a CUDA graph's warm-up (`cuda_graphs=True`), which must hold only that
-        call's tensors."""
+        the memory pool of a CUDA graph's warm-up (`cuda_graphs=True`), which must hold only that call's tensors."""
         if device.type != "cuda" or self.unavailable_reason() is not None:
             return
         from transformer_engine.pytorch.cpp_extensions.gemm import get_cublas_workspace

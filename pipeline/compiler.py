@@ -54,17 +54,22 @@ class PassError(RuntimeError):
     or returned a trace whose metadata or outputs are not what its ops compute."""
 
 
+_gc_frozen = [False]  # by `_old_objects_frozen`: a nested stage compile then skips `get_freeze_count`'s O(heap) walk
+
+
 @contextlib.contextmanager
 def _old_objects_frozen():
     """Full GCs skip what predates compiling (`gc.freeze`: each walks torch's heap) unless the program froze some."""
-    freeze = not gc.get_freeze_count()
-    if freeze:
-        gc.freeze()
+    if _gc_frozen[0] or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    _gc_frozen[0] = True
     try:
         yield
     finally:
-        if freeze:
-            gc.unfreeze()
+        _gc_frozen[0] = False
+        gc.unfreeze()
 
 
 class PipelineBackend:
@@ -136,8 +141,7 @@ class PipelineBackend:
             return post_compile_all(wrappers, warm)
         trace = self._run_passes("before_autodiff", trace, record)
         recording = self._records_warm_start(cache, trace, example_inputs, record)
-        stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache,
-                                  serializable=recording)
+        stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache, serializable=recording)
         # Serializable only while recording: else AOTAutograd consults torch's own cache (its dir and trust model).
         forward = functools.partial(stage, "forward")
         start = time.perf_counter()
