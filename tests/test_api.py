@@ -288,6 +288,13 @@ def test_compiling_freezes_older_objects_for_the_gc_and_releases_them(mlp, monke
     assert calls == ["freeze", "unfreeze"] * 2 and gc.get_freeze_count() == 0
     calls[:] = ["freeze", "unfreeze"]
     torch._dynamo.reset()
+    monkeypatch.setenv("PIPELINE_CACHE", "1")  # recording for the cache: the backward compiles inside the forward's
+    real_count, counted = gc.get_freeze_count, []
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: (counted.append(1), real_count())[1])
+    pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16)).sum().backward()
+    assert calls == ["freeze", "unfreeze"] * 2 and len(counted) == 1  # nested: no O(heap) count again
+    calls[:] = ["freeze", "unfreeze"]
+    torch._dynamo.reset()
     real_freeze()  # the program's own
     try:
         pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
