@@ -43,7 +43,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         return [y.view(shape)]
     state = delayed_state(scaling) if scaling >= 0 else None
     if state is None:
-        qx, qw = current_quantizer("e4m3"), current_quantizer("e4m3")
+        qx = qw = current_quantizer("e4m3", columnwise=False)
     else:
         qx, qw = state.forward_quantizers(index, x.device)
     xq, wq = qx(x2.contiguous()), qw(weight.contiguous())
@@ -305,8 +305,8 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         with torch.cuda.device(device):
             get_cublas_workspace(device.index or 0, False, False)
             if self.use_fp8:
-                for fmt in recipe_formats(self.recipe) if self.recipe is not None else ("e4m3", "e5m2"):
-                    current_quantizer(fmt)
+                fwd, bwd = recipe_formats(self.recipe) if self.recipe is not None else ("e4m3", "e5m2")
+                current_quantizer(fwd, False), current_quantizer(bwd)
                 if self.scaling is not None:
                     self.scaling.allocate(device)
 

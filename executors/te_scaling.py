@@ -22,11 +22,11 @@ def te_dtype(name: str):
 
 
 @functools.cache
-def current_quantizer(name: str):
-    """A quantizer that measures the amax of what it casts (current scaling). It keeps no state (TE
-    allocates each output's scale), so one per format serves every linear."""
+def current_quantizer(name: str, columnwise: bool = True):
+    """A current-scaling quantizer (it measures the amax of what it casts), stateless: one per format and
+    layout serves every linear. `columnwise`: also the transposed copy (dy's, for the wgrad GEMM)."""
     from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
-    q = Float8CurrentScalingQuantizer(te_dtype(name), torch.device("cuda"), rowwise=True, columnwise=True)
+    q = Float8CurrentScalingQuantizer(te_dtype(name), torch.device("cuda"), rowwise=True, columnwise=columnwise)
     q.internal = True
     return q
 
@@ -46,8 +46,8 @@ class _Stack:
     register later get a new chunk, and allocated buffers never move (recorded CUDA graphs and the
     quantizers point at them). A linear's columns always lie in one chunk."""
 
-    def __init__(self, per_linear: int, fmt: str):
-        self.per_linear, self.fmt = per_linear, fmt
+    def __init__(self, per_linear: int, fmt: str, columnwise: bool):
+        self.per_linear, self.fmt, self.columnwise = per_linear, fmt, columnwise
         # Cold until amaxes were recorded and folded into scales: casts then use current scaling
         # (a scale of 1 would flush small values, the gradients, to zero) and record their amaxes.
         self.cold, self.recorded = True, False
@@ -77,7 +77,7 @@ class _Stack:
         if q is None:
             from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
             history, scale = self.view(column, 1)
-            q = Float8Quantizer(scale[0], history[0], te_dtype(self.fmt), rowwise=True, columnwise=True)
+            q = Float8Quantizer(scale[0], history[0], te_dtype(self.fmt), rowwise=True, columnwise=self.columnwise)
             q.internal = True
             self.quantizers[column] = q
         return q
@@ -93,7 +93,7 @@ class DelayedScalingState:
                                       "amax_compute_algo='max' or 'most_recent'")
         self.recipe = recipe
         fwd, bwd = recipe_formats(recipe)
-        self.forward, self.backward = _Stack(2, fwd), _Stack(1, bwd)  # columns: [x, W] / [dy] per linear
+        self.forward, self.backward = _Stack(2, fwd, False), _Stack(1, bwd, True)  # columns: [x, W] / [dy] per linear
         self.names: dict[str, int] = {}            # linear name (its weight's qualname) -> index
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded before the linear was compiled
         self.ran: set[int] = set()                 # indices of linears that ran (state worth saving)
@@ -129,7 +129,7 @@ class DelayedScalingState:
         self.allocate(device)
         self.ran.add(index)
         if self.forward.cold:
-            return current_quantizer(self.forward.fmt), current_quantizer(self.forward.fmt)
+            return current_quantizer(self.forward.fmt, False), current_quantizer(self.forward.fmt, False)
         return self.forward.quantizer(2 * index), self.forward.quantizer(2 * index + 1)
 
     def backward_quantizer(self, index: int, device):

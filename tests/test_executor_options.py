@@ -275,11 +275,11 @@ def test_te_delayed_scaling_casts_with_current_scaling_until_amaxes_are_recorded
     class DelayedScaling:
         margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo = 0, 4, "max", None
 
-    monkeypatch.setattr(te_scaling, "current_quantizer", lambda fmt: f"current {fmt}")
+    monkeypatch.setattr(te_scaling, "current_quantizer", lambda fmt, columnwise=True: f"current {fmt}" + ("" if columnwise else " rowwise"))
     state = DelayedScalingState(DelayedScaling())
     index = state.register("a.weight")
     state.update()                                       # the first call's update: nothing yet
-    assert state.forward_quantizers(index, "cpu") == ("current e4m3", "current e4m3")
+    assert state.forward_quantizers(index, "cpu") == ("current e4m3 rowwise",) * 2   # only the TN GEMM reads them
     state.recorded_forward(index, torch.full((2, 2), -3.0), torch.full((2, 2), 0.5))
     state.recorded_forward(index, torch.full((2, 2), 4.0), torch.zeros(2, 2))   # a second use: the max
     state.update()                                       # a second forward before any backward
