@@ -1,5 +1,4 @@
 """Where executors keep the files a cached artifact loads (Inductor's kernels); set by the pipeline's cache."""
-from __future__ import annotations
 
 import os
 import stat

@@ -5,7 +5,6 @@ call each candidate runs on that call's inputs (a warm-up, then the median of `R
 the GPU's time only: launches wait behind a GPU sleep, as CUDA graphs replay them) and the fastest
 runs it; one listed earlier wins a tie within noise. Measuring changes nothing the step computes.
 """
-from __future__ import annotations
 
 import statistics
 import time

@@ -2,7 +2,6 @@
 region (`compile_region`); the optional hooks, grouped by capability (`Cacheable`, `PerModel`,
 `PreparesGraph`), keep neutral defaults in `Executor`. The guide: docs/executors.md, "Writing an executor".
 """
-from __future__ import annotations
 
 import functools
 from typing import Callable, Optional, Sequence

@@ -1,7 +1,6 @@
 """`ClaimTable`: which ops an executor claims, as a table `{op: checker | None}` (JAX's rule tables,
 Thunder's `op -> checker`; docs/executors.md, "Writing an executor").
 """
-from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 

@@ -3,7 +3,6 @@ untouched. `decompose_node` traces the op's decomposition on the node's fake inp
 the dispatcher to splice in; `decompose_graph` does it for every op a decomposition table covers
 (Inductor's regions: docs/executors.md, "inductor").
 """
-from __future__ import annotations
 
 import contextlib
 import copy

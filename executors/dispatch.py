@@ -3,7 +3,6 @@ time, only when listed executors claim every part; docs/design.md, "Dispatch"). 
 whole on `torch`: splitting `cumsum` into a masked O(n²) sum so that one `mul` of it can be fused would
 make the program slower and change its numerics for nothing. Every fallback records why.
 """
-from __future__ import annotations
 
 import dataclasses
 import operator

@@ -1,6 +1,5 @@
 """Donation: which of a region's inputs it may overwrite or free (AOTAutograd's donated buffers —
 saved activations nothing reads after the backward — that this region reads last)."""
-from __future__ import annotations
 
 import operator
 from typing import Optional, Sequence

@@ -1,5 +1,4 @@
 """Helpers on region graphs and their ops that executors and the dispatcher share."""
-from __future__ import annotations
 
 import operator
 

@@ -1,7 +1,6 @@
 """The `inductor` executor (docs/executors.md, "inductor"): regions, already functional ATen graphs, go
 straight to `compile_fx_inner`, the entry Inductor itself uses after AOTAutograd.
 """
-from __future__ import annotations
 
 import contextlib
 import copy

@@ -5,7 +5,6 @@ nvFuser takes; matmuls, attention, indexing and resizing (slice, cat: measured s
 go to the executors after it. Sizes are symbolic except size-1 dims; definitions are cached per input
 signature (dtype, rank, contiguity, size-1 pattern). Here: the executor, its runner, the fusion cache.
 """
-from __future__ import annotations
 
 import warnings
 from typing import Sequence

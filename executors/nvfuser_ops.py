@@ -3,7 +3,6 @@
 same ops with their checkers, both filled by `@_op(*overloads, checker=...)`. Every result is cast back
 to the dtype the trace promises (nvFuser computes half types in fp32).
 """
-from __future__ import annotations
 
 import math
 import operator

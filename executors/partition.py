@@ -7,7 +7,6 @@ grows and it drops at each foreign op, so no path leaves a group and comes back:
 valid region, and the regions form no cycle. An op joins the group of its earliest consumer, except
 work that only feeds the outputs (`_outputs_as_early_as_possible`; docs/design.md, "Dispatch").
 """
-from __future__ import annotations
 
 import math
 import operator

@@ -5,7 +5,6 @@ regions, compiles each region with its executor — falling back to the next lis
 claims the whole region, then to `torch`, when compilation fails — and returns an `Execution`: the
 execution trace (one `call_module` per region, printable and runnable) plus a `Region` per region.
 """
-from __future__ import annotations
 
 import contextlib
 import dataclasses
@@ -127,7 +126,7 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
              fallback: Executor = torch_executor, first_region_id: int = 0,
              artifacts: Optional[dict[str, RegionArtifact]] = None,
              donated: Sequence[int] = (), on_fallback: Optional[Callable[[str], None]] = None,
-             autotune: Optional[Callable[[float], None]] = None) -> Execution:
+             autotune: Optional[Callable[[float], None]] = None, partitioned: Optional[Assignment] = None) -> Execution:
     """Assigns, partitions and compiles `trace`; see the module docstring.
 
     `artifacts` (region key -> `RegionArtifact`): the compiled-artifact cache, loaded from and filled.
@@ -135,8 +134,10 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     `bw_donated_idxs`: saved activations in a backward), marked by `mark_donated_inputs`.
     `on_fallback(message)`: told when a region's wrong first result moves it to the next executor.
     `autotune(seconds)`, when given, races regions more than one of `executors` takes (autotune.py);
-    it is told what measuring took once a choice is in `artifacts`."""
-    gm = trace.editable()
+    it is told what measuring took once a choice is in `artifacts`.
+    `partitioned`: `trace` is an execution trace stored before its regions were built (a warm start:
+    `pipeline/warm_start.py`), whose region submodules are their graphs; this was its assignment."""
+    gm = trace.editable() if partitioned is None else trace.module
     steps: list[Step] = []
 
     def step(name: str, fn, *args):
@@ -145,16 +146,20 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
         out = fn(*args)
         steps.append(Step(f"dispatch: {name}", time.perf_counter() - start))
         return out
-    assignment = step("assign claims", assign, gm, executors, fallback)
     order = list(executors) + ([fallback] if all(e.name != fallback.name for e in executors) else [])
-    step("keep fusible islands whole", keep_islands_whole, gm, order, fallback.name)
-    named = step("partition", partition, gm, order)
-    if donated:
-        step("mark donated inputs", mark_donated_inputs, gm, donated,
-             {e.name for e in order if e.outputs_may_alias_inputs})
+    if partitioned is None:
+        assignment = step("assign claims", assign, gm, executors, fallback)
+        step("keep fusible islands whole", keep_islands_whole, gm, order, fallback.name)
+        named = step("partition", partition, gm, order)
+        if donated:
+            step("mark donated inputs", mark_donated_inputs, gm, donated,
+                 {e.name for e in order if e.outputs_may_alias_inputs})
+    else:
+        assignment, named = partitioned, [(n.target, n.meta["executor"]) for n in gm.graph.nodes if n.op == "call_module"]
     builder = _RegionBuilder(gm, order, fallback, stage, graph_id, artifacts, on_fallback or _warn,
                              list(executors), autotune)
-    regions = step("compile or load regions", builder.build_all, named, first_region_id)
+    regions = step("compile or load regions" + (" (warm start)" if partitioned else ""), builder.build_all,
+                   named, first_region_id)
     _set_region_values(gm)
     gm.recompile()
     out = trace
@@ -177,14 +182,17 @@ class _RegionBuilder:
         self.replaced: dict[tuple, tuple[Callable, Region]] = {}  # the same, for wrong results
         self.listed, self.autotune = listed, autotune  # autotune races among `listed` (not the fallback)
         self.autotune_seconds = 0.0
+        self.keys: dict[int, str] = {}  # id(region source) -> its structure_key
 
     def build_all(self, named, first_region_id: int) -> list[Region]:
         regions = []
         for k, (sub_name, ex_name) in enumerate(named):
             source = self.gm.get_submodule(sub_name)
             region = _describe(source, first_region_id + k, self.stage, ex_name, self.graph_id, self.order)
-            try:
-                structure, why_no_key = structure_key(source), None
+            try:  # a warm start's twins share one source: hashed once
+                if id(source) not in self.keys:
+                    self.keys[id(source)] = structure_key(source)
+                structure, why_no_key = self.keys[id(source)], None
             except Exception as e:  # e.g. a constant without data: compiled, not cached
                 structure, why_no_key = None, f"{type(e).__name__}: {e}"
             twin = self.compiled.get((ex_name, structure)) if structure else None

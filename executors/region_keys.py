@@ -3,7 +3,6 @@
 `structure_key` finds identical regions (the same layer one level down, compiled once) and binds a
 cached artifact to the region graph it came from; `region_key` is the artifact cache's key.
 """
-from __future__ import annotations
 
 import hashlib
 from typing import Sequence

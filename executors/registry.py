@@ -1,5 +1,4 @@
 """Resolves what the user passed as `executors=[...]` into executor objects."""
-from __future__ import annotations
 
 from typing import Sequence
 

@@ -1,7 +1,6 @@
 """The check of an executor's result against its region's trace, at the region's first call (every
 call under `PIPELINE_DEBUG=1`): what is compared, and what a mismatch does: docs/executors.md, at the end.
 """
-from __future__ import annotations
 
 import os
 from typing import Any, Callable, Optional

@@ -3,7 +3,6 @@ arguments (what `fuse_by_partitions` gives it): a backward region padding by a s
 size `s48` needs `s48` itself, which only an input that is that plain symbol binds (`ir.symbols`);
 without it Inductor's code failed with `NameError: name 's48' is not defined`.
 """
-from __future__ import annotations
 
 import torch
 import torch.fx as fx

@@ -10,7 +10,6 @@ AOTAutograd keeps both as single ops, and this operator executor claims them.
 Recipes, fp8 formats, the delayed-scaling state (`te_scaling.py`) and what TE does not take:
 docs/executors.md, "`te`".
 """
-from __future__ import annotations
 
 import math
 import operator

@@ -3,7 +3,6 @@
 per direction. The custom ops reach the state through an integer handle, so the graph stays a pure
 function of its inputs as far as the compiler can see.
 """
-from __future__ import annotations
 
 import functools
 import itertools

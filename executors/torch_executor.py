@@ -2,7 +2,6 @@
 
 It claims every op, so it is also the fallback that runs whatever no listed executor claims.
 """
-from __future__ import annotations
 
 from typing import Sequence
 

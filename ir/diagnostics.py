@@ -2,7 +2,6 @@
 every package can use them. Warnings are for what a user must know (something runs slower or
 differently than asked); the logger is for following what the compiler is doing.
 """
-from __future__ import annotations
 
 import logging
 import os

@@ -1,5 +1,4 @@
 """The reference interpreter: runs a trace node by node with `torch.fx.Interpreter`."""
-from __future__ import annotations
 
 import torch.fx as fx
 

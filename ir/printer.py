@@ -2,7 +2,6 @@
 of what it makes as a comment, inputs and outputs described in the header. `python_callable(trace)`
 executes that text, so what is printed is exactly what can be run.
 """
-from __future__ import annotations
 
 import builtins
 import math

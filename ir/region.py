@@ -1,5 +1,4 @@
 """`Region`: a group of ops of one trace that one executor runs."""
-from __future__ import annotations
 
 import dataclasses
 from typing import Optional

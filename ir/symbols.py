@@ -4,7 +4,6 @@ a tensor input's size or stride equal to the plain symbol, or a SymInt input equ
 wrapper: a SymInt input `s48 - 10` binds nothing); unbacked symbols (`u0`) by the op making them.
 `check_symbols_bound` makes a symbol bound neither way an error at build time, not a `NameError` at run time.
 """
-from __future__ import annotations
 
 import dataclasses
 from typing import Any, Iterator

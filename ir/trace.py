@@ -2,7 +2,6 @@
 provenance (docs/design.md). Passes never edit a trace: they change `trace.editable()`, a private
 copy of its graph module, and wrap the result with `trace.derive(gm, by="my_pass")`.
 """
-from __future__ import annotations
 
 import dataclasses
 import enum

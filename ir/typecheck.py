@@ -3,7 +3,6 @@ with fake tensors and compared with the metadata the trace claims, and a pass's 
 those of the trace it was given (docs/passes.md, "What is checked"). After a pass only the nodes it
 created or changed are re-derived; `check_types(trace)` without `before` re-derives every node.
 """
-from __future__ import annotations
 
 from typing import Any, Optional
 

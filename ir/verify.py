@@ -1,5 +1,4 @@
 """The verifier: checks a trace is well formed before anyone runs or transforms it."""
-from __future__ import annotations
 
 import torch.fx as fx
 

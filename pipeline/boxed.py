@@ -1,7 +1,6 @@
 """The boxed calling convention for compiled stages (AOTAutograd's `_boxed_call`): the callee takes the
 argument *list* and empties it, so each input is freed right after its last use, not when the stage returns.
 """
-from __future__ import annotations
 
 import operator
 

@@ -7,7 +7,6 @@ the runtime wrappers' metadata, each region's artifact keyed by the region's own
 AOTAutograd's entry, so a hit captures, then loads instead of lowering (`warm_start`) or compiling.
 Only entries this user wrote and sealed are read (`cache_files`); writes are atomic (`os.replace`).
 """
-from __future__ import annotations
 
 import atexit
 import functools

@@ -2,7 +2,6 @@
 mode checks, entries read without following links, payloads sealed with a per-user HMAC key. What is
 checked and why: docs/cache.md, "Who can write what" and "What is checked before anything runs".
 """
-from __future__ import annotations
 
 import hashlib
 import hmac

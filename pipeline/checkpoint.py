@@ -3,7 +3,6 @@
 under `model.<key>`, the optimizer's tensors under `optimizer.state.<index>.<name>`, its
 hyperparameters as JSON in the metadata, and the rows each rank file holds in its `rows` metadata.
 """
-from __future__ import annotations
 
 import contextlib
 import glob

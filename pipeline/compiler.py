@@ -3,13 +3,14 @@ lowering and autodiff (AOTAutograd; joint passes before its partitioner) → pas
 executors (cached regions loaded) → wrappers' post_compile. Every stage's output is an `ir.Trace` in the
 graph's `GraphRecord`; a graph whose lowering fails runs in eager, with the reason recorded.
 """
-from __future__ import annotations
 
 import contextlib
 import functools
 import gc
+import logging
 import time
 from typing import Callable, Sequence
+from unittest import mock
 
 import torch.fx as fx
 from functorch.compile import min_cut_rematerialization_partition
@@ -72,6 +73,16 @@ def _old_objects_frozen():
         gc.unfreeze()
 
 
+def _aot_graph_logs_off():
+    """AOTAutograd renders the joint, forward and backward graphs as text for its logs even when none is
+    on (~5% of lowering): skipped unless TORCH_LOGS or tlparse asks for them."""
+    from torch._functorch._aot_autograd import graph_compile as g
+    from torch._logging._internal import trace_log
+    if trace_log.handlers or g.aot_graphs_log.isEnabledFor(logging.INFO) or g.aot_joint_log.isEnabledFor(logging.INFO):
+        return contextlib.nullcontext()
+    return mock.patch.multiple(g, _log_joint_graph=lambda *a, **k: None, _log_fw_bw_graphs=lambda *a, **k: (None, None))
+
+
 class PipelineBackend:
     """A `torch.compile` backend bound to one jitted model's state."""
 
@@ -122,17 +133,20 @@ class PipelineBackend:
         wrappers = graph_wrappers(state)  # e.g. model-changing transforms (stage 2) feed their tensors
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
         timed_verify(record, trace)
-        rewrote = []  # executors whose prepare changed the graph: it may bind per-model state (TE's fp8 scaling)
+        rewrote, checks = [], []  # executors whose prepare changed the graph: it may bind per-model state (TE's fp8 scaling)
         for executor in state.config.executors:  # model-level swaps (stage 2), e.g. TE's linears
             prepared, notes = executor.prepare(_executor_passes(executor, trace))
             record.fallbacks += notes
             if prepared is not trace:
-                check_built_in(trace, prepared, f"{executor.name}.prepare", record)
+                checks.append((trace, prepared, f"{executor.name}.prepare"))
                 trace = record.add_trace(prepared)
                 rewrote.append(f"{executor.name}.prepare")
         # prepare's ops may name per-model state (TE's scaling handle): load only the very same graph
         if cache is not None and rewrote:
             cache.entry["prepared"] = trace.fingerprint()
+        if cache is None or cache.stored is None or cache.stored.get("prepared") != cache.entry.get("prepared"):
+            for before, after, step in checks:  # else the very graph that passed them when it was stored
+                check_built_in(before, after, step, record)
         if cache is not None and cache.stored is not None and cache.stored.get("prepared") != cache.entry.get("prepared"):
             record.cache_notes.append(f"no warm start: {', '.join(rewrote) or 'prepare'} made another graph than "
                                       f"the stored one (its ops name per-model state: another jit order?)")
@@ -147,7 +161,7 @@ class PipelineBackend:
         start = time.perf_counter()
         inner_before = sum(record.seconds.values())
         with warm_start.record_entry(cache.key, cache.aot_entry_done, record.cache_notes.append) \
-                if recording else contextlib.nullcontext():
+                if recording else contextlib.nullcontext(), _aot_graph_logs_off():
             compiled = aot_module_simplified(
                 trace.module, list(example_inputs),
                 fw_compiler=SerializableAOTDispatchCompiler(StageCode, forward) if recording else forward,
@@ -187,10 +201,9 @@ class PipelineBackend:
         return compiled
 
     def _load_stage(self, code: StageCode, *, record: GraphRecord, cache) -> Callable:
-        trace = record.add_trace(code.trace)
-        example_inputs = [n.meta.get("val") for n in trace.placeholders()]
-        return self._execute(code.stage, trace, code.donated, example_inputs, record=record, cache=cache,
-                             lowered=code.lowered)
+        example_inputs = [n.meta.get("val") for n in code.executed.placeholders()]
+        return self._execute(code.stage, code.executed, [], example_inputs, record=record, cache=cache,
+                             lowered=code.lowered, loaded=code)[0]
 
     def _records_warm_start(self, cache, trace: Trace, example_inputs, record: GraphRecord) -> bool:
         """Whether AOTAutograd's own entry for this graph is stored in ours while it lowers."""
@@ -233,19 +246,23 @@ class PipelineBackend:
         donated_names = {n.name for i, n in enumerate(trace.placeholders()) if i in positions}
         trace = self._run_passes("after_autodiff", trace, record)
         donated = [i for i, n in enumerate(trace.placeholders()) if n.name in donated_names]
-        run = self._execute(stage, trace, donated, example_inputs, record=record, cache=cache, lowered=lowered)
-        return StageCode(run, stage, trace, donated, lowered) if serializable else run
+        run, executed, assignment, why_not = self._execute(stage, trace, donated, example_inputs, record=record,
+                                                           cache=cache, lowered=lowered)
+        return StageCode(run, stage, executed, lowered, assignment, why_not) if serializable else run
 
     def _execute(self, stage: str, trace: Trace, donated: list, example_inputs, *, record: GraphRecord,
-                 cache: GraphCache | None, lowered: str) -> Callable:
+                 cache: GraphCache | None, lowered: str, loaded: StageCode | None = None) -> tuple:
         """A stage's trace, after its passes, dispatched to the executors (its regions loaded from
-        the artifact cache where they are there), boxed, and recorded as a CUDA graph if asked."""
+        the artifact cache where they are there), boxed, and recorded as a CUDA graph if asked; or
+        a `loaded` stage's regions built again. Returns (the callable, the execution trace, the
+        assignment, why the stage is no CUDA graph or None)."""
         start = time.perf_counter()
         execution = dispatch(trace, self.state.config.executors, stage=stage, graph_id=record.graph_id,
                              first_region_id=sum(len(r.regions) for r in self.state.history.records),
                              artifacts=cache.artifacts if cache is not None else None, donated=donated,
                              on_fallback=functools.partial(report_fallback, self.state),
-                             autotune=functools.partial(_raced, record, cache) if self.state.config.autotune else None)
+                             autotune=functools.partial(_raced, record, cache) if self.state.config.autotune else None,
+                             partitioned=loaded.assignment if loaded else None)
         record.seconds["dispatch"] += time.perf_counter() - start - execution.autotune_seconds
         if execution.autotune_seconds:
             record.seconds["autotune"] += execution.autotune_seconds
@@ -264,10 +281,12 @@ class PipelineBackend:
         if cache is not None:
             cache.stage_done(stage, lowered, execution, executed)
         fn = BoxedStage().post_compile(executed.module)
+        why_not = None
         if self.state.config.cuda_graphs:
-            fn = cuda_graphs.stage_callable(fn, trace, example_inputs, stage=stage, record=record,
-                                            executors=self.state.config.executors)
-        return _timing_first_call(fn, record, stage)
+            why_not = loaded.why_not if loaded else cuda_graphs.why_not_recordable(
+                trace, example_inputs, self.state.config.executors)
+            fn = cuda_graphs.stage_callable(fn, executed, example_inputs, why_not, stage=stage, record=record)
+        return _timing_first_call(fn, record, stage), executed, execution.assignment, why_not
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:
         for p in self.state.config.passes:

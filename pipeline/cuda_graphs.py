@@ -3,7 +3,6 @@ graphs"), through torch.compile's "reduce-overhead" machinery (`torch._inductor.
 its rules. A stage that cannot be recorded (`why_not_recordable`) runs region by region, the reason in
 `pipeline.compile_stats(model).cuda_graphs`.
 """
-from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
@@ -13,13 +12,12 @@ import torch.fx as fx
 from ir import InputKind, Stage, Trace
 
 
-def stage_callable(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage: str, record,
-                   executors) -> Callable:
-    """`fn` (a boxed stage running `trace`) recorded as a CUDA graph when it can be, else `fn`, the decision
-    in `record.cuda_graphs[stage]`. A backward is not recorded when its forward is not (its saved
-    activations would not stay put); one that cannot be recorded tells the graph tree that it ran, or
-    the tree would wait for it forever and never start a new step."""
-    why_not = why_not_recordable(trace, example_inputs, executors)
+def stage_callable(fn: Callable, trace: Trace, example_inputs: Sequence, why_not: Optional[str], *, stage: str,
+                   record) -> Callable:
+    """`fn` (a boxed stage running `trace`) recorded as a CUDA graph unless `why_not` (`why_not_recordable`),
+    the decision in `record.cuda_graphs[stage]`. A backward is not recorded when its forward is not (its
+    saved activations would not stay put); one that cannot be recorded tells the graph tree that it ran,
+    or the tree would wait for it forever and never start a new step."""
     forward = record.cuda_graphs.get("forward")
     if stage == "backward" and why_not is None and forward is not None and forward != "on":
         why_not = "its forward is not recorded"

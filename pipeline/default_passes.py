@@ -7,7 +7,6 @@ Each runs after the user's passes of its stage (so `causal_attention` and `group
 mixed precision's autocast; `save_policy` runs just before the partitioner). One that raises leaves
 the graph compiling without it, the reason in `compile_stats` (`TracePass.optional`).
 """
-from __future__ import annotations
 
 import dataclasses
 

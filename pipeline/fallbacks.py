@@ -4,7 +4,6 @@
 error by default: a model that trains in eager should still train when one graph uses something no
 executor handles yet.
 """
-from __future__ import annotations
 
 import warnings
 

@@ -6,7 +6,6 @@ The trap: the engine hands saved activations to backward formulas through `aten.
 cut the dependence of the forces on the parameters and give plausible but wrong parameter gradients.
 Those detaches are removed; detaches the user wrote are marked while tracing and kept.
 """
-from __future__ import annotations
 
 import dataclasses
 import types

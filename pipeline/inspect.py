@@ -1,6 +1,5 @@
 """Inspection: which executor ran which ops (`regions`), every stage's trace (`last_traces`),
 where compile time went (`compile_stats`), and graph breaks before compiling (`explain`)."""
-from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict

@@ -1,6 +1,5 @@
 """`pipeline.jit`: compiles a module or function through the pipeline; the result behaves like what it
 wraps (`JittedModule`, `JittedFunction`), and calling it runs the compiled graphs."""
-from __future__ import annotations
 
 import dataclasses
 import functools

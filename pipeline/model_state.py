@@ -1,6 +1,5 @@
 """Model-changing transforms applied to a jitted module: which parameters were replaced by what,
 the trace rewrite that feeds the compiled code the new tensors, and state dicts both ways."""
-from __future__ import annotations
 
 import dataclasses
 import warnings

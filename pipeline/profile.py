@@ -2,7 +2,6 @@
 region runs inside a named range (`region3:inductor`), so its time also shows in a `chrome_trace`
 timeline. A region's time is its kernels' device time when it ran on the GPU, else its host time.
 """
-from __future__ import annotations
 
 import dataclasses
 from typing import Optional

@@ -1,7 +1,6 @@
 """What the pipeline remembers about each compiled graph: every stage's trace, the regions, the
 fallbacks and their reasons, and where the time went. `pipeline.regions`, `last_traces` and
 `compile_stats` read these records."""
-from __future__ import annotations
 
 import dataclasses
 import os

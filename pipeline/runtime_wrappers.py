@@ -6,7 +6,6 @@ is all `post_compile` needs: what a cache entry stores to rebuild it (`from_meta
     trace, inputs = pre_compile_all(wrappers, trace, inputs, record)    # first to last
     fn = post_compile_all(wrappers, compiled)                           # last to first: the first is outermost
 """
-from __future__ import annotations
 
 from typing import Callable, Optional
 

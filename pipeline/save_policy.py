@@ -6,7 +6,6 @@ half-precision value (bf16 logits) or a reduction instead of an fp32 intermediat
 `recompute_fp8_casts` tags fp8 casts made in the graph (their byte views and transposes, and the
 copies they read) the same way: made in the backward from what the forward keeps anyway.
 """
-from __future__ import annotations
 
 import torch
 import torch.fx as fx

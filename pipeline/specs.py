@@ -1,5 +1,4 @@
 """Input and output specs for the traces of each stage: what every graph input and output is."""
-from __future__ import annotations
 
 from typing import Optional, Sequence
 

@@ -2,9 +2,10 @@
 (docs/cache.md). A plain fake tensor (static sizes, strided, no autograd, no subclass) is stored as its
 sizes, strides, offset, dtype, device and an id of its storage, so tensors that shared memory share it
 again after loading (dispatch's donation decisions read that); anything else goes through torch's own
-description. Debug metadata is left out.
+description. Debug metadata is left out. What is stored is an execution trace's module, before its
+regions were built: its graph, and each region's graph as a submodule — the graph of the region whose
+code it ran (`Region.compiled_as`) for a region identical to an earlier one, so 16 layers store one.
 """
-from __future__ import annotations
 
 import contextlib
 
@@ -13,6 +14,7 @@ import torch.fx as fx
 from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 from torch.fx._graph_pickler import GraphPickler, Options
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -21,13 +23,33 @@ DEBUG_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "fwd_nn_modul
               "fwd_source_fn_stack", "from_node", "torch_fn")
 
 
-def dumps(gm: fx.GraphModule) -> bytes:
-    with _without_debug_meta(gm.graph):
+def dumps(executed: fx.GraphModule) -> bytes:
+    """An execution trace's module (regions `CompiledRegion`s, `executors/plan.py`) as bytes."""
+    root, sources = torch.nn.Module(), {}
+    for node in executed.graph.nodes:
+        if node.op == "call_module":
+            compiled = executed.get_submodule(node.target)
+            region = compiled.region
+            sources[region.id] = sources.get(region.compiled_as, compiled.source)
+            root.add_module(node.target, sources[region.id])
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(executed.graph, {})).meta = dict(executed.graph.output_node().meta)
+    gm = fx.GraphModule(root, graph)
+    with contextlib.ExitStack() as stack:
+        for g in [graph, *(s.graph for s in set(sources.values()))]:
+            stack.enter_context(_without_debug_meta(g))
         return _StagePickler.dumps(gm, Options(ops_filter=None))
 
 
 def loads(data: bytes) -> fx.GraphModule:
-    return GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    """The module `dumps` stored, its regions' graphs as (lazily generated) submodules again."""
+    gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    made: dict[int, fx.GraphModule] = {}  # identical regions share one graph
+    for name, sub in list(gm._modules.items()):  # not named_children(): it yields a shared module once
+        if id(sub) not in made:
+            made[id(sub)] = _LazyGraphModule(sub, sub.graph, class_name=name)
+        gm._modules[name] = made[id(sub)]
+    return _LazyGraphModule(gm, gm.graph, class_name="executed")
 
 
 class _StagePickler(GraphPickler):

@@ -2,7 +2,6 @@
 our cache and sealed with the rest of the graph's entry (docs/cache.md, "A hit starts warm").
 `record_entry` takes the entry on a cold compile; `load_entry` rebuilds the compiled function on a hit.
 """
-from __future__ import annotations
 
 import contextlib
 import contextvars
@@ -25,12 +24,15 @@ _LOADER: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("pi
 
 
 class StageCode(OutputCode):
-    """One compiled stage as AOTAutograd sees it (boxed). Pickles as the trace dispatch ran on (`trace_pickle`)
-    and the fingerprint of the lowered trace it came from; loading dispatches that trace again."""
+    """One compiled stage as AOTAutograd sees it (boxed). Pickles as its execution trace before the
+    regions were built (`trace_pickle`), the assignment of its ops (`executors.dispatch`), whether it
+    can be a CUDA graph and the fingerprint of the lowered trace it came from; loading builds the
+    regions again (from the artifact cache), without lowering, passes or partitioning."""
 
-    def __init__(self, run: Callable, stage: str, trace: Trace, donated: list, lowered: str):
+    def __init__(self, run: Callable, stage: str, executed: Trace, lowered: str, assignment, why_not: Optional[str]):
         self._boxed_call = True  # an instance attribute: wrappers (functools.wraps) copy __dict__ only
-        self.run, self.stage, self.trace, self.donated, self.lowered = run, stage, trace, donated, lowered
+        self.run, self.stage, self.executed, self.lowered = run, stage, executed, lowered
+        self.assignment, self.why_not = assignment, why_not  # why_not: None, or why it is no CUDA graph
         self._graph_bytes: Optional[bytes] = None  # set for pickling (prepare_for_serialization)
         self._trace_fields: Optional[tuple] = None
 
@@ -43,21 +45,21 @@ class StageCode(OutputCode):
         return new
 
     def prepare_for_serialization(self) -> None:
-        t = self.trace
+        t = self.executed
         self._graph_bytes = trace_pickle.dumps(t.module)
         self._trace_fields = (t.name, t.level, t.stage, t.inputs, t.outputs, t.provenance)
-        self.run = self.trace = None
+        self.run = self.executed = None
 
     def __getstate__(self):
         if self._graph_bytes is None:
             raise TypeError("StageCode pickles only after prepare_for_serialization")
-        return {"stage": self.stage, "donated": self.donated, "lowered": self.lowered,
-                "graph": self._graph_bytes, "trace": self._trace_fields}
+        return {"stage": self.stage, "lowered": self.lowered, "assignment": self.assignment,
+                "why_not": self.why_not, "graph": self._graph_bytes, "trace": self._trace_fields}
 
     def __setstate__(self, state):
-        self.stage, self.donated, self.lowered = state["stage"], state["donated"], state["lowered"]
-        self._graph_bytes, self._trace_fields, self.run, self.trace = state["graph"], state["trace"], None, None
-        self._boxed_call = True
+        self.stage, self.lowered, self.assignment = state["stage"], state["lowered"], state["assignment"]
+        self.why_not, self._graph_bytes, self._trace_fields = state["why_not"], state["graph"], state["trace"]
+        self.run, self.executed, self._boxed_call = None, None, True
 
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.run is not None:
@@ -65,10 +67,9 @@ class StageCode(OutputCode):
         loader = _LOADER.get()
         if loader is None:
             raise RuntimeError("a pipeline stage was loaded outside pipeline.warm_start.load_entry")
-        gm = trace_pickle.loads(self._graph_bytes)
         name, level, stage, inputs, outputs, provenance = self._trace_fields
-        self.trace = Trace(gm, name=name, level=level, stage=stage, inputs=inputs, outputs=outputs,
-                           provenance=provenance)
+        self.executed = Trace(trace_pickle.loads(self._graph_bytes), name=name, level=level, stage=stage,
+                              inputs=inputs, outputs=outputs, provenance=provenance)
         self.run = loader(self)
 
     def set_triton_bundle(self, triton_bundle) -> None:

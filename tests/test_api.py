@@ -301,3 +301,23 @@ def test_compiling_freezes_older_objects_for_the_gc_and_releases_them(mlp, monke
         assert calls == ["freeze", "unfreeze"]  # neither frozen again nor released by the pipeline
     finally:
         real_unfreeze()
+
+
+def test_lowering_renders_graphs_as_text_only_when_a_log_asks(mlp, monkeypatch):
+    """AOTAutograd prints the joint, forward and backward graphs for its logs even when none is on
+    (~5% of lowering): skipped then; with `TORCH_LOGS=aot_graphs` (here `set_logs`) they are printed."""
+    monkeypatch.setenv("PIPELINE_CACHE", "0")  # both compiles lower (a hit would not)
+    rendered = []
+    real = torch.fx.GraphModule.print_readable
+    monkeypatch.setattr(torch.fx.GraphModule, "print_readable",
+                        lambda self, *a, **k: (rendered.append(1), real(self, *a, **k))[1])
+    x = torch.randn(4, 16)
+    pipeline.jit(mlp, executors=["torch"])(x).sum().backward()
+    assert rendered == []
+    torch._dynamo.reset()
+    torch._logging.set_logs(aot_graphs=True)
+    try:
+        pipeline.jit(mlp, executors=["torch"])(x).sum().backward()
+    finally:
+        torch._logging.set_logs()
+    assert len(rendered) >= 3  # joint, forward, backward

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import pipeline
+from executors.base import RebuiltFromGraph
 from pipeline import trace_pickle, warm_start
 from test_cache import assert_identical, compile_and_step
 
@@ -26,7 +27,8 @@ def test_a_hit_loads_without_lowering_and_is_bit_identical(mlp):
     assert "joint" in stages(cold) and "lower" in pipeline.compile_stats(cold).seconds
     stats = pipeline.compile_stats(warm)
     assert stats.cache == {"g0": "hit"} and "lower" not in stats.seconds
-    assert stages(warm) == ["captured", "forward", "forward", "backward", "backward"]  # no joint: nothing traced
+    assert stages(warm) == ["captured", "forward", "backward"]  # the stored execution traces: nothing traced
+    assert pipeline.last_traces(warm)[-1].provenance[-1].name == "dispatch: compile or load regions (warm start)"
     assert {r.executor for r in pipeline.regions(warm)} == {"torch"}
     assert torch.equal(out0, out1)
     assert_identical(grads0, grads1)
@@ -82,10 +84,12 @@ def test_symbolic_shapes_compile_without_a_warm_start(mlp):
     assert "no warm start: symbolic shapes" in notes(cm)
 
 
-def test_a_graph_an_executor_prepared_loads_only_with_the_same_bindings(mlp):
+def test_a_graph_an_executor_prepared_loads_only_with_the_same_bindings(mlp, monkeypatch):
     """An executor's `prepare` may bind this model's own state into the graph (TE's fp8 scaling
     handle, numbered per process in jit order): the stored lowering loads only when prepare made
-    the very same graph here; with another binding it is lowered again, never loaded."""
+    the very same graph here; with another binding it is lowered again, never loaded. The prepared
+    graph is checked (verifier, types) unless it is the very graph that passed when it was stored."""
+    import pipeline.compiler
     from executors import Executor
     from executors.torch_executor import torch_executor
     from ir.rewrite import add_call
@@ -113,12 +117,14 @@ def test_a_graph_an_executor_prepared_loads_only_with_the_same_bindings(mlp):
             gm.recompile()
             return trace.derive(gm, by="preparing.prepare"), []
     x = torch.randn(4, 16)
-    runs = []
+    runs, checked, real_check = [], [], pipeline.compiler.check_built_in
+    monkeypatch.setattr(pipeline.compiler, "check_built_in", lambda *a: (checked.append(a[2]), real_check(*a)))
     for handle in (0, 1, 1):
         cm, out, _ = compile_and_step(mlp, x, executors=[Preparing(handle)])
-        runs.append(("lower" in pipeline.compile_stats(cm).seconds, notes(cm)))
+        runs.append(("lower" in pipeline.compile_stats(cm).seconds, notes(cm), len(checked)))
         torch.testing.assert_close(out, mlp(x), rtol=0, atol=0)
     assert runs[0][0] and runs[1][0] and not runs[2][0], runs
+    assert [r[2] for r in runs] == [1, 2, 2]  # the warm start does not check its stored graph again
     assert any("no warm start: preparing.prepare made another graph than the stored one" in n for n in runs[1][1])
 
 
@@ -163,31 +169,54 @@ def test_torch_own_aot_cache_is_never_consulted(mlp, monkeypatch):
         assert torch.equal(out, eager(x))
 
 
-def test_stored_stage_keeps_every_value_and_which_values_share_memory(mlp):
-    """`trace_pickle` stores plain fake tensors compactly: after loading, each node's value has the
-    same sizes, strides, offset, dtype and device, and values shared memory exactly when they did
-    (the views of a weight, say), which dispatch's donation decisions depend on."""
+class _Matmuls(RebuiltFromGraph):
+    """An operator executor taking the linears' addmm: each layer gives regions of two executors."""
+    name, kind = "matmuls", "operator"
+
+    def claims_op(self, op, node):
+        return op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+
+    def compile_region(self, gm, example_inputs):
+        return gm.forward
+
+
+def test_a_stage_is_stored_partitioned_each_kind_of_region_once():
+    """What is stored is the execution trace before its regions were built: its graph keeps every
+    value (sizes, strides, offset, dtype, device, and which values share memory), and the regions
+    of identical layers store one graph. A warm start builds the same regions from it."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    cm, _, _ = compile_and_step(mlp, torch.randn(4, 16))
-    stored = [t for t in pipeline.last_traces(cm) if t.stage.value in ("forward", "backward")
-              and not t.provenance[-1].name.startswith("dispatch")]  # as dispatch receives them
-    assert len(stored) == 2
-    for trace in stored:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(3, 8)
+    cold, out0, grads0 = compile_and_step(model, x, executors=[_Matmuls(), "torch"])
+    executed = [t for t in pipeline.last_traces(cold) if t.provenance[-1].name.startswith("dispatch")]
+    assert [t.stage.value for t in executed] == ["forward", "backward"]
+    for trace in executed:
         loaded = trace_pickle.loads(trace_pickle.dumps(trace.module))
         before, after = list(trace.graph.nodes), list(loaded.graph.nodes)
-        assert [n.name for n in before] == [n.name for n in after] and str(trace.graph) == str(loaded.graph)
+        assert [n.name for n in before] == [n.name for n in after]
+        calls = [n.target for n in after if n.op == "call_module"]
+        first_of_kind = [c for c in calls if trace.module.get_submodule(c).region.compiled_as is None]
+        assert len({id(loaded.get_submodule(c)) for c in calls}) == len(first_of_kind) < len(calls) - 2
+        assert all(str(loaded.get_submodule(c).code) == str(trace.module.get_submodule(c).source.code)
+                   for c in first_of_kind)
         tensors = [(a.meta["val"], b.meta["val"]) for a, b in zip(before, after)
                    if isinstance(a.meta.get("val"), torch.Tensor)]
         assert len(tensors) > 5
-        for x, y in tensors:
-            assert (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device) == \
-                (y.shape, y.stride(), y.storage_offset(), y.dtype, y.device)
+        for p, q in tensors:
+            assert (p.shape, p.stride(), p.storage_offset(), p.dtype, p.device) == \
+                (q.shape, q.stride(), q.storage_offset(), q.dtype, q.device)
         same = [[StorageWeakRef(p.untyped_storage()) == StorageWeakRef(q.untyped_storage()) for p, _ in tensors]
                 for q, _ in tensors]
-        same_loaded = [[StorageWeakRef(p.untyped_storage()) == StorageWeakRef(q.untyped_storage()) for _, p in tensors]
-                       for _, q in tensors]
-        assert same == same_loaded and any(sum(row) > 1 for row in same)
+        assert same == [[StorageWeakRef(p.untyped_storage()) == StorageWeakRef(q.untyped_storage())
+                         for _, p in tensors] for _, q in tensors]
+    warm, out1, grads1 = compile_and_step(model, x, executors=[_Matmuls(), "torch"])
+    assert pipeline.compile_stats(warm).cache == {"g0": "hit"}, notes(warm)
+    table = [(r.stage, r.executor, r.ops, r.compiled_as is None) for r in pipeline.regions(cold)]
+    assert [(r.stage, r.executor, r.ops, r.compiled_as is None) for r in pipeline.regions(warm)] == table
+    assert torch.equal(out0, out1)
+    assert_identical(grads0, grads1)
 
 
 def test_te_and_nvfuser_regions_are_cached_and_a_warm_start_loads_them(te_on_cpu, nvfuser_claims_on_cpu):

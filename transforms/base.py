@@ -1,7 +1,6 @@
 """Trace passes: pure `Trace -> Trace` functions that say where in the pipeline they run (`STAGES`;
 docs/passes.md, "Writing a pass").
 """
-from __future__ import annotations
 
 import dataclasses
 from typing import Callable

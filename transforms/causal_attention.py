@@ -4,7 +4,6 @@ Each SDPA mask that depends on no graph input is computed once, at compile time;
 causal mask in every batch and head, it is dropped and the flag set. Why (traced Hugging Face models),
 and which masks are left alone: docs/passes.md, "Built in: the default passes".
 """
-from __future__ import annotations
 
 from typing import Optional
 

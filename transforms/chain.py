@@ -2,7 +2,6 @@
 "Chains"). Two transforms compose when the later one can encode every tensor the earlier one produces and
 keeps no state of its own in the state dict (its extra state would describe intermediate tensors).
 """
-from __future__ import annotations
 
 from typing import Optional
 

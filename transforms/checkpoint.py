@@ -2,7 +2,6 @@
 min-cut partitioner honours (those of `torch.utils.checkpoint`'s selective policies), set on the joint
 graph's forward ops. The policies: docs/passes.md, "Training passes".
 """
-from __future__ import annotations
 
 import operator
 from typing import Callable, Union

@@ -2,7 +2,6 @@
 forward and backward traces list the saved values in the same order, so both sides pick the same ones
 by the same rule; both copies are ordinary `aten._to_copy` ops in the traces.
 """
-from __future__ import annotations
 
 import torch
 import torch.fx as fx

@@ -1,7 +1,6 @@
 """`fsdp(process_group=None)`: fully sharded data parallelism over `torch.distributed`: each rank
 holds and trains its dim-0 shard of every trainable parameter (docs/passes.md, "Model-changing transforms").
 """
-from __future__ import annotations
 
 import math
 import operator

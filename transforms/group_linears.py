@@ -5,7 +5,6 @@ The stacked weights are tagged `recompute`, so the backward concatenates them ag
 partitioner keeping a second copy of every grouped weight alive (0.9 GiB on the 1B Llama in bf16). A
 piece the model `.view()`s in a way a strided slice cannot be viewed is copied contiguous first.
 """
-from __future__ import annotations
 
 import contextlib
 import operator

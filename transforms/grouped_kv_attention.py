@@ -4,7 +4,6 @@ of copies repeated to every query head (`k.repeat_interleave(n, dim=1)`, or Hugg
 Applied only where it can only win (`_can_win`, the guard of this one-rule `ir.rewrite`): attention in
 half precision on the devices given; why, and what it gains: docs/passes.md, "Built in: the default passes".
 """
-from __future__ import annotations
 
 from typing import Optional, Sequence
 

@@ -2,7 +2,6 @@
 its modules' own `reset_parameters()` or a safetensors checkpoint read tensor by tensor (docs/passes.md).
 With a checkpoint the file's values are loaded even into tensors not on `meta`.
 """
-from __future__ import annotations
 
 import warnings
 from typing import Optional

@@ -5,7 +5,6 @@ It wraps the captured program in an autocast region (the `_enter_autocast` / `_e
 Dynamo records for a `with torch.autocast(...)` block); lowering applies autocast's op policy, so the
 lowered trace shows every cast and the backward reaches the fp32 parameters through them.
 """
-from __future__ import annotations
 
 import torch
 

@@ -2,7 +2,6 @@
 "Model-changing transforms"). A transform holding only some rows (dim 0) of a parameter on this rank
 (FSDP) says which (`row_shard`), so sharded checkpoints save and load each rank's rows.
 """
-from __future__ import annotations
 
 from typing import Optional
 

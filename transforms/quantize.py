@@ -1,7 +1,6 @@
 """`quantize("int8" | "fp8")`: weight-only quantization of linear weights, for inference, dequantized in
 the trace right before use (`weight.to(f32) * scale`) for executors to fuse (docs/passes.md).
 """
-from __future__ import annotations
 
 from typing import Optional
 
