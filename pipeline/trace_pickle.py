@@ -8,6 +8,7 @@ code it ran (`Region.compiled_as`) for a region identical to an earlier one, so 
 """
 
 import contextlib
+import operator
 
 import torch
 import torch.fx as fx
@@ -25,13 +26,14 @@ DEBUG_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "fwd_nn_modul
 
 def dumps(executed: fx.GraphModule) -> bytes:
     """An execution trace's module (regions `CompiledRegion`s, `executors/plan.py`) as bytes."""
-    root, sources = torch.nn.Module(), {}
+    root, sources = {}, {}  # what the graph's call_module and get_attr nodes name
     for node in executed.graph.nodes:
         if node.op == "call_module":
             compiled = executed.get_submodule(node.target)
             region = compiled.region
-            sources[region.id] = sources.get(region.compiled_as, compiled.source)
-            root.add_module(node.target, sources[region.id])
+            sources[region.id] = root[node.target] = sources.get(region.compiled_as, compiled.source)
+        elif node.op == "get_attr":  # a constant the stage reads outside its regions
+            root[node.target] = operator.attrgetter(node.target)(executed)
     graph = fx.Graph()
     graph.output(graph.graph_copy(executed.graph, {})).meta = dict(executed.graph.output_node().meta)
     gm = fx.GraphModule(root, graph)

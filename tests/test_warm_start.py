@@ -234,3 +234,25 @@ def test_te_and_nvfuser_regions_are_cached_and_a_warm_start_loads_them(te_on_cpu
     assert stats.cache == {"g0": "hit"} and "lower" not in stats.seconds, notes(warm)
     assert not any(k.startswith("compile:") for k in stats.seconds), stats.seconds
     assert {"te", "nvfuser"} <= {r.executor for r in pipeline.regions(warm)}
+
+
+def test_a_stage_reading_a_constant_outside_its_regions_starts_warm():
+    """A tensor made in forward (`torch.tensor([...])`) is a constant of the lowered stages, read by a
+    `get_attr` outside the regions: it is stored with the stage, and the warm start computes the same."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.linear(x) * torch.tensor([1.0, 2.0, 3.0])
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(2, 3)
+    cold, out0, grads0 = compile_and_step(model, x)
+    assert any(n.op == "get_attr" for t in pipeline.last_traces(cold) for n in t.graph.nodes)
+    warm, out1, grads1 = compile_and_step(model, x)
+    stats = pipeline.compile_stats(warm)
+    assert stats.cache == {"g0": "hit"} and "lower" not in stats.seconds, notes(warm)
+    assert torch.equal(out0, out1)
+    assert_identical(grads0, grads1)
