@@ -135,8 +135,8 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     `on_fallback(message)`: told when a region's wrong first result moves it to the next executor.
     `autotune(seconds)`, when given, races regions more than one of `executors` takes (autotune.py);
     it is told what measuring took once a choice is in `artifacts`.
-    `partitioned`: `trace` is an execution trace stored before its regions were built (a warm start:
-    `pipeline/warm_start.py`), whose region submodules are their graphs; this was its assignment."""
+    `partitioned`: `trace`'s module is an execution trace's before its regions were built (`unbuilt`:
+    a warm start, `pipeline/warm_start.py`); this was its assignment."""
     gm = trace.editable() if partitioned is None else trace.module
     steps: list[Step] = []
 
@@ -431,6 +431,23 @@ def gemm_flops(node: fx.Node, executors: Sequence[Executor] = ()) -> tuple[int, 
     except (TypeError, IndexError):  # symbolic sizes: not counted
         pass
     return 0, False
+
+
+def unbuilt(executed: fx.GraphModule) -> fx.GraphModule:
+    """An execution trace's module as dispatch made it before building its regions, for
+    `dispatch(..., partitioned=...)`: a copy of its graph, each region submodule the region's graph
+    (of the first of identical regions, `Region.compiled_as`: they share it), its constants kept."""
+    root, sources = {}, {}  # what the graph's call_module and get_attr nodes name
+    for node in executed.graph.nodes:
+        if node.op == "call_module":
+            compiled = executed.get_submodule(node.target)
+            region = compiled.region
+            sources[region.id] = root[node.target] = sources.get(region.compiled_as, compiled.source)
+        elif node.op == "get_attr":  # a constant the stage reads outside its regions
+            root[node.target] = operator.attrgetter(node.target)(executed)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(executed.graph, {})).meta = dict(executed.graph.output_node().meta)
+    return fx.GraphModule(root, graph)
 
 
 def _set_region_values(gm: fx.GraphModule) -> None:

@@ -2,13 +2,11 @@
 (docs/cache.md). A plain fake tensor (static sizes, strided, no autograd, no subclass) is stored as its
 sizes, strides, offset, dtype, device and an id of its storage, so tensors that shared memory share it
 again after loading (dispatch's donation decisions read that); anything else goes through torch's own
-description. Debug metadata is left out. What is stored is an execution trace's module, before its
-regions were built: its graph, and each region's graph as a submodule — the graph of the region whose
-code it ran (`Region.compiled_as`) for a region identical to an earlier one, so 16 layers store one.
+description. Debug metadata is left out. What the warm start stores is an execution trace's module
+before its regions were built (`executors.plan.unbuilt`): identical regions share one graph.
 """
 
 import contextlib
-import operator
 
 import torch
 import torch.fx as fx
@@ -24,29 +22,18 @@ DEBUG_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "fwd_nn_modul
               "fwd_source_fn_stack", "from_node", "torch_fn")
 
 
-def dumps(executed: fx.GraphModule) -> bytes:
-    """An execution trace's module (regions `CompiledRegion`s, `executors/plan.py`) as bytes."""
-    root, sources = {}, {}  # what the graph's call_module and get_attr nodes name
-    for node in executed.graph.nodes:
-        if node.op == "call_module":
-            compiled = executed.get_submodule(node.target)
-            region = compiled.region
-            sources[region.id] = root[node.target] = sources.get(region.compiled_as, compiled.source)
-        elif node.op == "get_attr":  # a constant the stage reads outside its regions
-            root[node.target] = operator.attrgetter(node.target)(executed)
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(executed.graph, {})).meta = dict(executed.graph.output_node().meta)
-    gm = fx.GraphModule(root, graph)
+def dumps(gm: fx.GraphModule) -> bytes:
+    """`gm` and the graph modules it calls (a submodule called under several names is stored once)."""
     with contextlib.ExitStack() as stack:
-        for g in [graph, *(s.graph for s in set(sources.values()))]:
-            stack.enter_context(_without_debug_meta(g))
+        for graph in {gm.graph, *(sub.graph for sub in gm._modules.values())}:
+            stack.enter_context(_without_debug_meta(graph))
         return _StagePickler.dumps(gm, Options(ops_filter=None))
 
 
 def loads(data: bytes) -> fx.GraphModule:
-    """The module `dumps` stored, its regions' graphs as (lazily generated) submodules again."""
+    """The module `dumps` stored, its submodules (lazily generated) graph modules again."""
     gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
-    made: dict[int, fx.GraphModule] = {}  # identical regions share one graph
+    made: dict[int, fx.GraphModule] = {}  # submodules stored once stay shared
     for name, sub in list(gm._modules.items()):  # not named_children(): it yields a shared module once
         if id(sub) not in made:
             made[id(sub)] = _LazyGraphModule(sub, sub.graph, class_name=name)

@@ -15,6 +15,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.output_code import OutputCode
 
+from executors.dispatch import Assignment
+from executors.plan import unbuilt
 from ir import Trace
 
 from . import trace_pickle
@@ -29,7 +31,8 @@ class StageCode(OutputCode):
     can be a CUDA graph and the fingerprint of the lowered trace it came from; loading builds the
     regions again (from the artifact cache), without lowering, passes or partitioning."""
 
-    def __init__(self, run: Callable, stage: str, executed: Trace, lowered: str, assignment, why_not: Optional[str]):
+    def __init__(self, run: Callable, stage: str, executed: Trace, lowered: str, assignment: Assignment,
+                 why_not: Optional[str]):
         self._boxed_call = True  # an instance attribute: wrappers (functools.wraps) copy __dict__ only
         self.run, self.stage, self.executed, self.lowered = run, stage, executed, lowered
         self.assignment, self.why_not = assignment, why_not  # why_not: None, or why it is no CUDA graph
@@ -46,7 +49,7 @@ class StageCode(OutputCode):
 
     def prepare_for_serialization(self) -> None:
         t = self.executed
-        self._graph_bytes = trace_pickle.dumps(t.module)
+        self._graph_bytes = trace_pickle.dumps(unbuilt(t.module))
         self._trace_fields = (t.name, t.level, t.stage, t.inputs, t.outputs, t.provenance)
         self.run = self.executed = None
 

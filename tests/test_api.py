@@ -312,8 +312,9 @@ def test_lowering_renders_graphs_as_text_only_when_a_log_asks(mlp, monkeypatch):
     monkeypatch.setattr(torch.fx.GraphModule, "print_readable",
                         lambda self, *a, **k: (rendered.append(1), real(self, *a, **k))[1])
     x = torch.randn(4, 16)
-    pipeline.jit(mlp, executors=["torch"])(x).sum().backward()
-    assert rendered == []
+    cm = pipeline.jit(mlp, executors=["torch"])
+    cm(x).sum().backward()
+    assert rendered == [] and pipeline.regions(cm)  # lowered, compiled, and nothing rendered
     torch._dynamo.reset()
     torch._logging.set_logs(aot_graphs=True)
     try:

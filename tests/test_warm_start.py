@@ -7,6 +7,7 @@ import torch.nn as nn
 
 import pipeline
 from executors.base import RebuiltFromGraph
+from executors.plan import unbuilt
 from pipeline import trace_pickle, warm_start
 from test_cache import assert_identical, compile_and_step
 
@@ -193,7 +194,7 @@ def test_a_stage_is_stored_partitioned_each_kind_of_region_once():
     executed = [t for t in pipeline.last_traces(cold) if t.provenance[-1].name.startswith("dispatch")]
     assert [t.stage.value for t in executed] == ["forward", "backward"]
     for trace in executed:
-        loaded = trace_pickle.loads(trace_pickle.dumps(trace.module))
+        loaded = trace_pickle.loads(trace_pickle.dumps(unbuilt(trace.module)))
         before, after = list(trace.graph.nodes), list(loaded.graph.nodes)
         assert [n.name for n in before] == [n.name for n in after]
         calls = [n.target for n in after if n.op == "call_module"]
@@ -213,6 +214,7 @@ def test_a_stage_is_stored_partitioned_each_kind_of_region_once():
                          for _, p in tensors] for _, q in tensors]
     warm, out1, grads1 = compile_and_step(model, x, executors=[_Matmuls(), "torch"])
     assert pipeline.compile_stats(warm).cache == {"g0": "hit"}, notes(warm)
+    assert {r.executor for r in pipeline.regions(warm)} == {"matmuls", "torch"}
     table = [(r.stage, r.executor, r.ops, r.compiled_as is None) for r in pipeline.regions(cold)]
     assert [(r.stage, r.executor, r.ops, r.compiled_as is None) for r in pipeline.regions(warm)] == table
     assert torch.equal(out0, out1)
