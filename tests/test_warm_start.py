@@ -196,7 +196,7 @@ def test_a_stage_is_stored_partitioned_each_kind_of_region_once():
     for trace in executed:
         loaded = trace_pickle.loads(trace_pickle.dumps(unbuilt(trace.module)))
         before, after = list(trace.graph.nodes), list(loaded.graph.nodes)
-        assert [n.name for n in before] == [n.name for n in after]
+        assert [n.name for n in before] == [n.name for n in after] and str(trace.graph) == str(loaded.graph)
         calls = [n.target for n in after if n.op == "call_module"]
         first_of_kind = [c for c in calls if trace.module.get_submodule(c).region.compiled_as is None]
         assert len({id(loaded.get_submodule(c)) for c in calls}) == len(first_of_kind) < len(calls) - 2
@@ -211,7 +211,7 @@ def test_a_stage_is_stored_partitioned_each_kind_of_region_once():
         same = [[StorageWeakRef(p.untyped_storage()) == StorageWeakRef(q.untyped_storage()) for p, _ in tensors]
                 for q, _ in tensors]
         assert same == [[StorageWeakRef(p.untyped_storage()) == StorageWeakRef(q.untyped_storage())
-                         for _, p in tensors] for _, q in tensors]
+                         for _, p in tensors] for _, q in tensors] and any(sum(row) > 1 for row in same)
     warm, out1, grads1 = compile_and_step(model, x, executors=[_Matmuls(), "torch"])
     assert pipeline.compile_stats(warm).cache == {"g0": "hit"}, notes(warm)
     assert {r.executor for r in pipeline.regions(warm)} == {"matmuls", "torch"}
