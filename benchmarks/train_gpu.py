@@ -309,6 +309,10 @@ def run_row(name, how, config, batches, args):
         # where the first step's compile time went: capture, lower, passes, dispatch, compile:<executor>
         extra["compile_seconds"] = {k: round(v, 1) for k, v in pipeline.compile_stats(step_fn).seconds.items()}
         extra["fp8_gemm_flop_share"] = table.fp8_gemm_flop_share()
+        # the regions that took compile (or load) time, slowest first: what a cold or warm start waits for
+        extra["slowest_regions"] = [f"{r.stage} {r.id} {r.executor} {r.op_count} ops {r.compile_seconds:.2f} s"
+                                    for r in sorted(table, key=lambda r: -r.compile_seconds)[:25]
+                                    if r.compile_seconds > 0.02]
         extra["autotune"] = [line for line in str(table).splitlines() if " autotuned: " in line]
         graphs = pipeline.compile_stats(step_fn).cuda_graphs
         if graphs:
