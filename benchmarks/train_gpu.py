@@ -64,7 +64,8 @@ ROWS = ["eager", "torch.compile", "torch.compile reduce-overhead", "torchao floa
         "pipeline.jit [te fp8 delayed, nvfuser, inductor]", "pipeline.jit [te fp8 delayed, nvfuser, inductor] + cuda graphs",
         "pipeline.jit [te, nvfuser, inductor] bf16", "pipeline.jit [te, nvfuser, inductor] bf16 + cuda graphs",
         "pipeline.jit [nvfuser, inductor]", "pipeline.jit [nvfuser, inductor] + cuda graphs",
-        "pipeline.jit [nvfuser] + cuda graphs", "pipeline.jit [nvfuser, inductor] autotune + cuda graphs",
+        "pipeline.jit [nvfuser]", "pipeline.jit [nvfuser] + cuda graphs",
+        "pipeline.jit [nvfuser, inductor] autotune + cuda graphs",
         "pipeline.jit [te fp8 current, nvfuser, inductor]", "pipeline.jit [te fp8 current, inductor]",
         "pipeline.jit [te fp8 delayed ungrouped, inductor]", "pipeline.jit [inductor] + group_linears"]
 
