@@ -9,6 +9,8 @@
 #   scripts/gpu.sh bench [..]  on the GPU machine: benchmarks/train_gpu.py (arguments passed on).
 #   scripts/gpu.sh race [..]   on the GPU machine: benchmarks/region_race.py (nvFuser's regions vs
 #                              Inductor's on the same graphs; arguments passed on).
+#   scripts/gpu.sh casts [..]  on the GPU machine: benchmarks/fp8_cast_fusion_gpu.py (what an fp8 cast
+#                              costs beside the kernel making its input, TE's way vs in the graph).
 #
 # With this workplace's device tool: run(command="scripts/gpu.sh tests", carry=[".device", ".whl"]).
 # To run exactly the committed tree while the working tree has edits in flight, snapshot it first:
@@ -44,5 +46,6 @@ case "$what" in
     python3 -m pytest -q --timeout 600 -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" ;;
   bench) python3 benchmarks/train_gpu.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" ;;
   race)  python3 benchmarks/region_race.py "$@" 2>&1 | tee "$OUT/race.log" ;;
-  *) echo "usage: scripts/gpu.sh pack|tests|bench|race [args]"; exit 2 ;;
+  casts) python3 benchmarks/fp8_cast_fusion_gpu.py "$@" 2>&1 | tee "$OUT/casts.log" ;;
+  *) echo "usage: scripts/gpu.sh pack|tests|bench|race|casts [args]"; exit 2 ;;
 esac
