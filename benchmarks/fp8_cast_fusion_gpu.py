@@ -10,26 +10,13 @@ Prints the median ms of each way per tensor, and the total over 16 layers.
 """
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from cuda_timing import cuda_median_ms
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-def timed(fn, *args, reps: int = 50) -> float:
-    for _ in range(5):
-        fn(*args)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def rmsnorm(x, w):
@@ -44,15 +31,18 @@ def grad_of_swiglu(dy, g, u):  # d(silu(g) * u)/du * dy: a pointwise producer of
     return dy * F.silu(g)
 
 
-def cast(t, scale, dtype, transposed: bool, with_amax: bool = True):
+AMAX = {"whole tensor": lambda t: t.abs().amax().float(),
+        "by rows": lambda t: t.abs().amax(-1).amax().float(),  # a row reduction, then over the rows
+        "none": None}
+
+
+def cast(t, scale, dtype, transposed: bool, amax: str):
     """The fp8 cast in plain torch ops (delayed scaling: the scale is known before the call), and
-    the amax delayed scaling records for the next steps' scales."""
+    the amax delayed scaling records for the next steps' scales, taken as `AMAX[amax]` says."""
     limit = torch.finfo(dtype).max
     q = (t.float() * scale).clamp(-limit, limit).to(dtype)
     out = (q, q.t().contiguous()) if transposed else (q,)
-    if with_amax == "rows":  # per row, then over the rows: a row reduction fuses with the cast
-        return (*out, t.abs().amax(-1).amax().float())
-    return (*out, t.abs().amax().float()) if with_amax else out
+    return (*out, AMAX[amax](t)) if AMAX[amax] else out
 
 
 def main() -> None:
@@ -76,23 +66,22 @@ def main() -> None:
         made = torch.compile(producer)
         return lambda *a: q(made(*a))
 
-    def graph_way(producer, dtype, transposed, with_amax=True):
-        return torch.compile(lambda *a: cast(producer(*a), scale, dtype, transposed, with_amax))
+    def graph_way(producer, dtype, transposed, amax):
+        return torch.compile(lambda *a: cast(producer(*a), scale, dtype, transposed, amax))
 
     cases = [("rmsnorm -> e4m3", rmsnorm, (x, w), tex.DType.kFloat8E4M3, E4M3, False, 2),
              ("swiglu -> e4m3", swiglu, (g, u), tex.DType.kFloat8E4M3, E4M3, False, 1),
              ("gradient -> e5m2 + transpose", grad_of_swiglu, (dy, g, u), tex.DType.kFloat8E5M2, E5M2, True, 1)]
     total_te = total_graph = 0.0
     for name, producer, inputs, te_fmt, dtype, transposed, per_layer in cases:
-        alone = timed(torch.compile(producer), *inputs)
-        te_ms = timed(te_way(producer, te_fmt, transposed), *inputs)
-        graph_ms = timed(graph_way(producer, dtype, transposed), *inputs)
-        no_amax = timed(graph_way(producer, dtype, transposed, with_amax=False), *inputs)
-        by_rows = timed(graph_way(producer, dtype, transposed, with_amax="rows"), *inputs)
+        timed = lambda fn: cuda_median_ms(fn, *inputs, warmup=5, reps=50)  # noqa: E731
+        alone, te_ms = timed(torch.compile(producer)), timed(te_way(producer, te_fmt, transposed))
+        in_graph = {amax: timed(graph_way(producer, dtype, transposed, amax)) for amax in AMAX}
         total_te += per_layer * te_ms
-        total_graph += per_layer * graph_ms
-        print(f"{name:32s} producer alone {alone:.3f} ms | + TE cast {te_ms:.3f} ms | cast in the graph "
-              f"{graph_ms:.3f} ms, amax by rows {by_rows:.3f} ms, without the amax {no_amax:.3f} ms (x{per_layer} per layer)")
+        total_graph += per_layer * in_graph["whole tensor"]
+        ways = ", ".join(f"amax {amax} {ms:.3f} ms" for amax, ms in in_graph.items())
+        print(f"{name:32s} producer alone {alone:.3f} ms | + TE cast {te_ms:.3f} ms | cast in the graph: "
+              f"{ways} (x{per_layer} per layer)")
     print(f"16 layers: TE casts {16 * total_te:.2f} ms, casts in the graph {16 * total_graph:.2f} ms")
 
 

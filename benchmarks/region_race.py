@@ -24,6 +24,7 @@ import pipeline  # noqa: E402
 from executors.plan import CompiledRegion, _compile_isolated  # noqa: E402
 from ir import node_value  # noqa: E402
 from models import LanguageModelLoss, Llama, LlamaConfig  # noqa: E402
+from cuda_timing import cuda_median_ms  # noqa: E402
 from gpu_gaps import chrome_trace  # noqa: E402
 from pipeline.inspect import _clip, _summarize  # noqa: E402
 
@@ -48,22 +49,15 @@ def real_inputs(source):
 
 
 def gpu_ms(fn, args, warmup=3, reps=20):
-    for _ in range(warmup):
+    if DEVICE != "cpu":
+        return cuda_median_ms(fn, *args, warmup=warmup, reps=reps)
+    for _ in range(warmup):  # a smoke test of the script on the CPU: host time
         fn(*args)
     times = []
-    if DEVICE == "cpu":  # a smoke test of the script: host time
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn(*args)
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        start = time.perf_counter()
         fn(*args)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 
