@@ -121,7 +121,7 @@ def top_kernels(step, n=30, trace_file=None):
     CPU was doing meanwhile (`gpu_gaps.py`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from executors.plan import CompiledRegion
+    from executors.compiled_region import CompiledRegion
     from gpu_gaps import chrome_trace, idle_gaps, kernel_kinds
     CompiledRegion.profiling = True  # regions as named ranges, to attribute idle time to them
     try:
@@ -303,6 +303,11 @@ def run_row(name, how, config, batches, args):
                          enumerate(["forward call", "backward call", "optimizer call", "wait for the GPU"])}}
     if first is not None:
         extra["first_step_profile (cProfile)"] = profile_lines(first, 60)
+    # torch's own timers of its compile phases (dynamo_timed: Dynamo, AOTAutograd, Inductor's codegen,
+    # waiting for Triton's compile workers), summed over the run: which of torch's phases a first step waits on
+    from torch._dynamo.utils import compilation_time_metrics
+    extra["torch_phases_s"] = dict(sorted(((k, round(sum(v), 2)) for k, v in compilation_time_metrics.items()
+                                           if sum(v) >= 0.05), key=lambda kv: -kv[1])[:30])
     if how not in (None, "compile"):
         table = pipeline.regions(step_fn)
         extra["ops_by_executor"] = table.by_executor()

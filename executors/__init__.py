@@ -8,7 +8,8 @@ from .torch_executor import torch_executor as torch
 from .inductor_executor import inductor_executor as inductor
 from .nvfuser_executor import nvfuser_executor as nvfuser
 from .te_executor import te_executor as te
-from .plan import CompiledRegion, Execution, dispatch
+from .compiled_region import CompiledRegion
+from .plan import Execution, dispatch
 from .registry import known_executors, resolve
 
 __all__ = ["Executor", "RegionDeclined", "torch", "inductor", "nvfuser", "te", "dispatch", "Execution", "CompiledRegion", "resolve",

@@ -49,8 +49,7 @@ class Race:
     def boxed(self, args: list):
         if self.chosen is None:
             self._choose(args)
-        run = getattr(self.chosen, "boxed", None)
-        if run is not None:
+        if (run := getattr(self.chosen, "boxed", None)) is not None:
             return run(args)
         held = tuple(args)
         args.clear()

@@ -74,6 +74,10 @@ class Executor:
         are fake tensors (and SymInts). Raise to decline: the region goes to the next executor."""
         raise NotImplementedError
 
+    def finish_region(self, fn: RegionFn) -> None:
+        """Completes, before the region is stored or run, work `compile_region` left running (Inductor's
+        kernels compile while the next regions do). Raising counts as a failed compile: the region falls back."""
+
     # -- the capabilities' hooks, with their neutral defaults: `Cacheable` --------------------------
     def cache_token(self) -> str:
         """What, besides a region's graph, its compiled code depends on (options, library versions)."""

@@ -58,8 +58,7 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
     fake_mode = _fake_mode_of(values)  # traced in the inputs' own fake mode, else in a new one
     try:
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            tracing_mode = "fake" if fake_mode is None else "real"
-            gm = make_fx(run, decomposition_table=table, tracing_mode=tracing_mode)(*values)
+            gm = make_fx(run, decomposition_table=table, tracing_mode="fake" if fake_mode is None else "real")(*values)
     except _Declined:
         return None
     except Exception:
@@ -204,8 +203,7 @@ def splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> list[fx.Node]
 
 
 def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> tuple[list[fx.Node], object]:
-    """Replaces `node` in `graph` by the nodes of `sub`; returns the new nodes and the value(s) that
-    stand for the node's result."""
+    """Replaces `node` in `graph` by the nodes of `sub`; returns the new nodes and the value(s) for its result."""
     value_map = _placeholders_to_inputs(node, sub)
     with graph.inserting_before(node):
         result = graph.graph_copy(sub.graph, value_map)  # fills value_map: sub's node -> its copy

@@ -12,6 +12,7 @@ import pickle
 import shutil
 import stat
 import sys
+import threading
 import types
 from typing import Sequence
 
@@ -87,9 +88,12 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         # no CUDA graphs of its own (`cuda_graphs=True` records whole stages, regions inside them).
         with config.patch({"fallback_random": self.fallback_random, "layout_optimization": False,
                            "triton.cudagraphs": False}), \
-                _donating(decomposed, donated), _kernel_dir(_own_dir()):
+                _donating(decomposed, donated), _kernel_dir(_own_dir()), _kernels_awaited_later() as scopes:
             compiled = compile_fx_inner(decomposed, list(example_inputs), is_backward=bool(donated))
-        return InductorRegion(compiled, gm)
+        return InductorRegion(compiled, gm, scopes)
+
+    def finish_region(self, fn: "InductorRegion") -> None:
+        fn.wait_for_kernels()
 
     # -- the compiled-artifact cache -------------------------------------------------------------
     def cache_token(self) -> str:
@@ -114,6 +118,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         """Inductor's compiled graph as its own FX graph cache stores it, plus the shared libraries of
         its C++ kernels by their path under its cache dir, where loading finds them (no C++ compile)."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir
+        fn.wait_for_kernels()
         stored = copy.copy(fn.compiled)
         stored.prepare_for_serialization()
         with _kernel_dir(_own_dir()):
@@ -152,19 +157,63 @@ def _register_triton_kernels(compiled) -> None:
         TritonBundler.read_and_emit(bundle)
 
 
+@contextlib.contextmanager
+def _kernels_awaited_later():
+    """Inductor's generated module, as it loads, waits for its kernels to compile in Inductor's worker
+    processes (`async_compile.wait(globals())`). Inside this context (this thread only) it leaves them
+    compiling and its scope is collected: the next regions' code generation overlaps those compiles
+    (one region at a time, each waiting, left the 16 workers mostly idle: docs/performance.md)."""
+    from torch._inductor.async_compile import AsyncCompile
+    scopes: list[dict] = []
+    real, thread = AsyncCompile.wait, threading.get_ident()
+
+    def collect(self, scope):
+        return scopes.append(scope) if threading.get_ident() == thread else real(self, scope)
+    collect.real = real
+    AsyncCompile.wait = collect
+    try:
+        yield scopes
+    finally:
+        AsyncCompile.wait = real
+
+
 class InductorRegion:
     """A compiled region: Inductor's `CompiledFxGraph`, with outputs copied into the strides the
-    region's trace promised where Inductor chose other ones."""
+    region's trace promised where Inductor chose other ones. Its kernels may still be compiling until
+    `wait_for_kernels` (`InductorExecutor.finish_region`, or its first call)."""
 
-    def __init__(self, compiled, gm: fx.GraphModule):
+    def __init__(self, compiled, gm: fx.GraphModule, scopes=()):
         self.compiled = compiled
+        self.pending = list(scopes)  # generated modules whose kernels may still be compiling
         self.restride = _mismatched_strides(gm, _static_strides(getattr(compiled, "output_strides", None)))
+
+    def wait_for_kernels(self) -> None:
+        """Waits for the region's kernels, bundling those that finish as Inductor does when it waits
+        itself (`TritonBundler`), for the artifact cache."""
+        from torch._inductor.async_compile import AsyncCompile
+        from torch._inductor.triton_bundler import TritonBundler
+        scopes, self.pending = self.pending, []
+        if not scopes:
+            return
+        TritonBundler.begin_compile()
+        try:
+            for scope in scopes:
+                getattr(AsyncCompile.wait, "real", AsyncCompile.wait)(AsyncCompile(), scope)
+            bundle, _ = TritonBundler.collect()
+            if (before := getattr(self.compiled, "_triton_bundle", None)) is not None:  # those done in compile
+                bundle = type(bundle)(before.kernel_artifacts + bundle.kernel_artifacts,
+                                      before.static_autotuners + bundle.static_autotuners)
+            self.compiled.set_triton_bundle(bundle)
+        finally:
+            TritonBundler.end_compile()
 
     def __call__(self, *args):
         return self.boxed(list(args))
 
     def boxed(self, args: list) -> tuple:
         """Inductor's own calling convention: it empties `args` and frees each input after its last use."""
+        if self.pending:  # called before `finish_region` (outside dispatch): its kernels first
+            self.wait_for_kernels()
         return tuple(keep_promised_strides(list(self.compiled(args)), self.restride))
 
 

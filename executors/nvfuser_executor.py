@@ -69,8 +69,7 @@ class _FusionRunner:
 
     def __call__(self, *args):
         key = _key(args)
-        fd = self.fusions.get(key)
-        if fd is None:
+        if (fd := self.fusions.get(key)) is None:
             try:
                 fd = _build(self.gm, args)
                 outs = fd.execute(list(args))

@@ -41,10 +41,8 @@ def _static_shapes(node: fx.Node) -> bool:
 def define_fusion(FusionDefinition, gm: fx.GraphModule, inputs: Sequence):
     """The definition of region `gm` for inputs with the metadata of `inputs`, in a `FusionDefinition()`."""
     with FusionDefinition() as fd:
-        env: dict[fx.Node, object] = {}
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        for node, value in zip(placeholders, inputs):
-            env[node] = _define_input(fd, value)
+        env: dict[fx.Node, object] = {node: _define_input(fd, value) for node, value in zip(placeholders, inputs)}
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 env[node] = _translate(fd, node, env)
@@ -248,8 +246,7 @@ def _sum(fd, node, x, dims=None, keepdim=False, dtype=None):
 def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
     dims = _dims(dims, _rank(node))
     total = fd.ops.sum(x, dims, keepdim)
-    shape = node_value(node.args[0]).shape
-    count = math.prod(shape[d] for d in dims)
+    count = math.prod(node_value(node.args[0]).shape[d] for d in dims)
     if not isinstance(count, int):
         raise NotImplementedError("nvfuser: mean over a symbolic size")
     return fd.ops.truediv(total, float(count))
@@ -323,15 +320,13 @@ def _transpose(fd, node, x, d0, d1):
 @_op(aten.unsqueeze.default)
 def _unsqueeze(fd, node, x, dim):
     rank = _rank(node) + 1
-    dim = dim % rank
-    return fd.ops.broadcast(x, [i == dim for i in range(rank)])
+    return fd.ops.broadcast(x, [i == dim % rank for i in range(rank)])
 
 
 @_op(aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(fd, node, x, dims):
-    rank = _rank(node)
     shape = node_value(node.args[0]).shape
-    dims = [d for d in _dims(dims, rank) if shape[d] == 1]
+    dims = [d for d in _dims(dims, _rank(node)) if shape[d] == 1]
     return fd.ops.squeeze(x, dims) if dims else x
 
 

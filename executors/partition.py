@@ -62,8 +62,7 @@ def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallba
         owners = {n.meta["executor"] for n in computing}
         if len(owners) < 2:
             continue
-        whole = next((e for e in fusion.values() if all(e.claims(n) for n in ops)), None)
-        if whole is None:
+        if (whole := next((e for e in fusion.values() if all(e.claims(n) for n in ops)), None)) is None:
             continue
         for other in sorted(owners - {whole.name}):
             declined = sorted({op_name(n.target) for n in computing if not fusion[other].claims(n)})
@@ -149,8 +148,7 @@ def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> fx.Node:
 
 
 def _rename_in_order(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    regions = []
-    renames = {}
+    regions, renames = [], {}
     for node in gm.graph.nodes:
         if node.op == "call_module":
             new = f"region{len(regions)}"

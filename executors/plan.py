@@ -27,77 +27,13 @@ from .graph_utils import op_name
 from .dispatch import Assignment, assign
 from .donation import mark_donated_inputs
 from .partition import keep_islands_whole, partition
+from .compiled_region import CompiledRegion
 from .region_keys import region_key, structure_key
 from .result_check import ResultCheck
 from .torch_executor import torch_executor
 
 
 log = get_logger("dispatch")
-
-
-class CompiledRegion(torch.nn.Module):
-    """One region as it runs: the executor's compiled callable. Its first call is checked
-    (`result_check.py`; `PIPELINE_DEBUG=1`: every call): a wrong result is replaced by that of the next
-    executor claiming the region (`replace`), which then runs it. While `profiling` is set
-    (`pipeline.profile`), each call is a named range (`region3:inductor`) in the profiler's trace."""
-
-    profiling = False
-
-    def __init__(self, fn: Callable, region: Region, source: fx.GraphModule,
-                 replace: Optional[Callable[[str], Callable]] = None):
-        super().__init__()
-        self.fn = fn
-        self.region = region
-        self.source = source  # the region's ATen graph, for inspection
-        self.check = ResultCheck(source, region, replace)
-        self.forward = self._checked_forward  # instance attributes: dropped after the first call
-        self.call_boxed = self._checked_call_boxed
-
-    def _checked_forward(self, *args):
-        return self._checked(list(args), boxed=False)
-
-    def _checked_call_boxed(self, args: list):
-        return self._checked(args, boxed=True)
-
-    def _checked(self, args: list, boxed: bool):
-        held = self.check.hold(args)  # the inputs, to run the region again if its result is wrong
-        out = CompiledRegion.call_boxed(self, args) if boxed else CompiledRegion.forward(self, *args)
-        while (problem := self.check.problem(out)) is not None:
-            self.fn = self.check.replacement(problem)
-            if held is None:
-                raise RuntimeError(f"{problem}; this call cannot run again (the region's inputs were donated "
-                                   f"to it): the next call runs on {self.region.executor}")
-            out = CompiledRegion.forward(self, *held)
-        if not self.check.every_call:
-            del self.forward, self.call_boxed
-        return out
-
-    @property
-    def label(self) -> str:  # a named range in the profiler's timeline
-        return f"region{self.region.id}:{self.region.executor}"
-
-    def forward(self, *args):
-        if CompiledRegion.profiling:
-            with torch.profiler.record_function(self.label):
-                return self.fn(*args)
-        return self.fn(*args)
-
-    def call_boxed(self, args: list):
-        """Runs the region on an argument list that it empties. When the executor's callable has a
-        boxed entry (`fn.boxed(list)`, as Inductor's has), nothing else holds the inputs while the
-        region runs, so each is freed after its last use inside the region."""
-        run = getattr(self.fn, "boxed", None)
-        if run is None:
-            held = tuple(args)
-            args.clear()
-            return CompiledRegion.forward(self, *held)
-        if CompiledRegion.profiling:
-            with torch.profiler.record_function(self.label):
-                return run(args)
-        return run(args)
-
-    def extra_repr(self) -> str:
-        return f"{self.region.executor}, {self.region.op_count} ops"
 
 
 @dataclasses.dataclass
@@ -183,6 +119,7 @@ class _RegionBuilder:
         self.listed, self.autotune = listed, autotune  # autotune races among `listed` (not the fallback)
         self.autotune_seconds = 0.0
         self.keys: dict[int, str] = {}  # id(region source) -> its structure_key
+        self.unfinished: list[tuple] = []  # compiled regions with work left running (`finish_region`)
 
     def build_all(self, named, first_region_id: int) -> list[Region]:
         regions = []
@@ -216,7 +153,37 @@ class _RegionBuilder:
                                         on_fallback=self.on_fallback)
             self.gm.add_submodule(sub_name, CompiledRegion(fn, region, source, replace))
             regions.append(region)
+        self._finish_all()
         return regions
+
+    def _finish_all(self) -> None:
+        """Waits for what the compiles left running (Inductor's kernels, built by its workers while the
+        next regions compiled), then stores each region. A region whose wait fails goes, loudly, to the
+        next executor claiming it, as one whose result is wrong does (`_replace_wrong_result`)."""
+        for fn, source, region, structure, key, failed in self.unfinished:
+            start = time.perf_counter()
+            try:
+                self.by_name[region.executor].finish_region(fn)
+            except Exception as e:
+                problem = f"{region.executor} failed to compile: {type(e).__name__}: {str(e).strip()[:300]}"
+                new = _replace_wrong_result(problem, source=source, region=region, structure=structure,
+                                            order=self.order, fallback=self.fallback, replaced=self.replaced,
+                                            on_fallback=lambda message: None)  # reported as a failed compile
+                for m in self.gm.children():  # the region and its twins
+                    if isinstance(m, CompiledRegion) and m.fn is fn:
+                        m.fn, m.region.executor, m.region.fallback_reason = new, region.executor, region.fallback_reason
+                fn, failed = new, True
+            region.compile_seconds += time.perf_counter() - start
+            self._keep(fn, source, region, key, failed)
+        self.unfinished.clear()
+
+    def _keep(self, fn, source, region: Region, key: Optional[str], failed: bool) -> None:
+        """Stores a compiled region in the artifact cache, unless a compile failed on the way (it may
+        succeed next time: memory, a worker)."""
+        if key is not None and not failed:
+            _store(self.artifacts, key, fn, source, region, self.by_name[region.executor], self.uncached)
+        elif key is not None:
+            self.uncached.append(f"region {region.id} not cached: an executor failed to compile it")
 
     def _load_or_compile(self, source, region, ex_name, structure, why_no_key) -> Callable:
         artifacts, fn, key = self.artifacts, None, None
@@ -229,14 +196,16 @@ class _RegionBuilder:
             if fn is not None:
                 self.loaded.add(region.id)
         if fn is None:
-            fn, failed = _compile_with_fallback(source, region, self.by_name[ex_name], self.order, self.fallback)
-            race = self._race(fn, source, region, None if failed else key) if self.autotune else None
+            raced = self.autotune is not None  # a race times finished code: nothing left running
+            fn, failed = _compile_with_fallback(source, region, self.by_name[ex_name], self.order, self.fallback,
+                                                finish=raced)
+            race = self._race(fn, source, region, None if failed else key) if raced else None
             if race is not None:
                 fn = race  # stored once its first call has chosen
-            elif key is not None and not failed:
-                _store(artifacts, key, fn, source, region, self.by_name[region.executor], self.uncached)
-            elif key is not None:  # a compile that failed may succeed next time (memory, a worker)
-                self.uncached.append(f"region {region.id} not cached: an executor failed to compile it")
+            elif raced:
+                self._keep(fn, source, region, key, failed)
+            else:
+                self.unfinished.append((fn, source, region, structure, key, failed))
         island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
         if island:
             region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
@@ -254,7 +223,9 @@ class _RegionBuilder:
         candidates = [(self.by_name[region.executor], fn)]
         for ex in others:
             try:
-                candidates.append((ex, _compile_isolated(ex, source, example_inputs)))
+                candidate = _compile_isolated(ex, source, example_inputs)
+                ex.finish_region(candidate)
+                candidates.append((ex, candidate))
             except Exception as e:  # declined or failed: not a candidate (the region runs as listed)
                 log.info("region %d: autotune: %s did not compile it (%s: %s)", region.id, ex.name,
                          type(e).__name__, str(e).strip()[:200])
@@ -335,9 +306,9 @@ def _warn(message: str) -> None:
     warnings.warn(f"pipeline: {message}", PipelineFallbackWarning, stacklevel=3)
 
 
-def _compile_with_fallback(source, region, first: Executor, order, fallback) -> tuple[Callable, bool]:
+def _compile_with_fallback(source, region, first: Executor, order, fallback, finish=True) -> tuple[Callable, bool]:
     """The region compiled by the first candidate that takes it, and whether any candidate failed
-    (raised an error, as opposed to declining)."""
+    (raised an error, as opposed to declining). `finish=False`: the caller calls `finish_region`."""
     check_symbols_bound(source, f"region {region.id} ({region.stage}, for {first.name})")  # else a NameError when run
     example_inputs = _example_inputs(source)
     candidates = [first] + [e for e in order[order.index(first) + 1:]
@@ -349,6 +320,8 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback) -> 
         start = time.perf_counter()
         try:
             fn = _compile_isolated(ex, source, example_inputs)
+            if finish:
+                ex.finish_region(fn)
         except RegionDeclined as e:
             reasons.append(f"{ex.name} declined: {e}")
             continue

@@ -14,11 +14,10 @@ from ir import node_value
 
 
 def structure_key(source: fx.GraphModule) -> str:
-    """A hash of what a region's compiled code depends on, whatever its nodes are named: each node's
-    op, target and arguments by position, the metadata of every value (shapes, strides, dtypes,
-    donation), and constants by their bytes. The 16 layers of a Llama give 16 regions per kind with
-    one hash: the first is compiled, the others run its code (Inductor would otherwise look each one
-    up in its cache and load it again, ~50 ms apiece)."""
+    """A hash of what a region's compiled code depends on, whatever its nodes are named: each node's op, target and
+    arguments by position, the metadata of every value (shapes, strides, dtypes, donation), and constants by their
+    bytes. The 16 layers of a Llama give 16 regions per kind with one hash: the first is compiled, the others run its
+    code (Inductor would otherwise look each one up in its cache and load it again, ~50 ms apiece)."""
     index: dict[fx.Node, str] = {}
     parts = []
     for node in source.graph.nodes:

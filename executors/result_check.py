@@ -17,8 +17,7 @@ class ResultCheck:
     def __init__(self, source: fx.GraphModule, region: Region, replace: Optional[Callable[[str], Callable]]):
         out = list(source.graph.nodes)[-1].args[0]
         self.expected = [node_value(a) if isinstance(a, fx.Node) else a for a in out]
-        self.region = region
-        self.replace = replace
+        self.region, self.replace = region, replace
         self.every_call = os.environ.get("PIPELINE_DEBUG", "") not in ("", "0")
         placeholders = [n for n in source.graph.nodes if n.op == "placeholder"]
         self.donated = [i for i, n in enumerate(placeholders) if n.meta.get("donated")]
@@ -36,8 +35,7 @@ class ResultCheck:
         if len(out) != len(self.expected):
             return f"{who}: {len(out)} outputs, its trace has {len(self.expected)}"
         for i, (want, got) in enumerate(zip(self.expected, out)):
-            why = _difference(want, got)
-            if why:
+            if why := _difference(want, got):
                 return f"{who}: output {i}: {why}"
         return None
 

@@ -30,10 +30,9 @@ from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, r
 # -- the custom ops ----------------------------------------------------------------------------------
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8: bool,
               scaling: int, index: int) -> list[torch.Tensor]:
-    """[y] in bf16 mode; [y, x scale_inv, W scale_inv] in fp8 mode (the backward casts x and W
-    again with these scales, in the graph: `_transposed_fp8`).
-
-    `scaling`: -1 for current scaling, else the handle of a `DelayedScalingState`, whose linear `index` this is."""
+    """[y] in bf16 mode; [y, x scale_inv, W scale_inv] in fp8 mode (the backward casts x and W again with these
+    scales, in the graph: `_transposed_fp8`). `scaling`: -1 for current scaling, else the handle of a
+    `DelayedScalingState`, whose linear `index` this is."""
     from transformer_engine.pytorch.cpp_extensions import general_gemm
     x2 = x.reshape(-1, x.shape[-1])
     shape = (*x.shape[:-1], weight.shape[0])
@@ -96,10 +95,7 @@ def _linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool
         e4m3 = te_dtype(fwd_format)
         xq = Float8TensorStorage(data=None, data_transpose=x_t, fp8_scale_inv=x_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
         wq = Float8TensorStorage(data=None, data_transpose=w_t, fp8_scale_inv=w_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
-        if has_bias:
-            db, dyq = tex.bgrad_quantize(dy2, gq)
-        else:
-            db, dyq = None, gq(dy2)
+        db, dyq = tex.bgrad_quantize(dy2, gq) if has_bias else (None, gq(dy2))
         if scaling >= 0:
             state.recorded_backward(index, dy2)
         dx = general_gemm(wq, dyq, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=True)[0]
@@ -127,10 +123,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _transposed_fp8(t: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """t [m, k] cast to E4M3 with the forward's scale, transposed [k, m], as bytes: in plain torch ops,
-    so that the partitioner can recompute t in the backward (an RMSNorm output from the residual kept
-    anyway) and Inductor fuses the cast into it, instead of keeping t or its fp8 copy from forward to
-    backward (what torchao's float8 does too)."""
+    """t [m, k] cast to E4M3 with the forward's scale, transposed [k, m], as bytes: in plain torch ops, so that the
+    partitioner can recompute t in the backward (an RMSNorm output from the residual kept anyway) and Inductor fuses
+    the cast into it, instead of keeping t or its fp8 copy from forward to backward (what torchao's float8 does too)."""
     e4m3 = torch.float8_e4m3fn
     limit = torch.finfo(e4m3).max
     return (t.float() / scale_inv).clamp(-limit, limit).to(e4m3).view(torch.uint8).t().contiguous()
@@ -175,11 +170,10 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return self.use_fp8 if self.grouping is None else self.grouping
 
     def options(self, *, group_linears: bool | None = ...) -> "TEExecutor":
-        """This executor with options. `group_linears=True`: linears reading the same input (q/k/v,
-        gate/up) become one TE GEMM on their stacked weights (`transforms.group_linears`), sharing one
-        fp8 scaling state, saved under the first member's module. `False`: one TE GEMM per linear.
-        `None` (the default): grouped in fp8 only, where the shared cast pays (docs/executors.md,
-        "Grouping", has the bf16 measurement). Not given: kept as it is."""
+        """This executor with options. `group_linears=True`: linears reading the same input (q/k/v, gate/up) become
+        one TE GEMM on their stacked weights (`transforms.group_linears`), sharing one fp8 scaling state, saved under
+        the first member's module. `False`: one TE GEMM per linear. `None` (the default): grouped in fp8 only, where
+        the shared cast pays (docs/executors.md, "Grouping", has the bf16 measurement). Not given: kept as it is."""
         group_linears = self.grouping if group_linears is ... else group_linears
         return TEExecutor(fp8=self.use_fp8, recipe=self.recipe, group_linears=group_linears)
 
@@ -236,9 +230,8 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return taken
 
     def unavailable_reason(self) -> str | None:
-        return cuda_library_missing("Transformer Engine", ["transformer_engine.pytorch",
-                                                           "transformer_engine.pytorch.cpp_extensions"],
-                                    "install Transformer Engine on a CUDA machine")
+        modules = ["transformer_engine.pytorch", "transformer_engine.pytorch.cpp_extensions"]
+        return cuda_library_missing("Transformer Engine", modules, "install Transformer Engine on a CUDA machine")
 
     def flops(self, node: fx.Node) -> tuple[int, bool] | None:
         """The GEMM FLOPs of a `pipeline_te` op (a linear: one GEMM; its backward: dgrad and wgrad),
@@ -256,9 +249,8 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
             return None
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
-        """The region (one TE op) calling the op's Python implementation directly: AOTAutograd has
-        already taken care of autograd, so the dispatcher's autograd and aliasing checks (~15 us per
-        call on our CPU) are skipped."""
+        """The region (one TE op) calling the op's Python implementation directly: AOTAutograd has already taken
+        care of autograd, so the dispatcher's autograd and aliasing checks (~15 us per call on our CPU) are skipped."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
         for node in graph.nodes:
@@ -318,16 +310,14 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
             t = add_call(graph, torch.t, (m["w"],), fake_like(wv, (n, k), stride=(1, n)))
             wt = add_call(graph, "contiguous", (t,), fake_like(wv, (n, k)))
             linear = add_call(graph, torch._C._nn.linear, (m["x"], wt), node_value(node))
-        taken = self._takes(linear, "matmul", notes)  # if not, it stays a matmul: no transposed copy for nothing
-        if taken:
+        if taken := self._takes(linear, "matmul", notes):  # if not, it stays a matmul: no transposed copy for nothing
             node.replace_all_uses_with(linear)
         for unused in (node,) if taken else (linear, wt, t):
             graph.erase_node(unused)
 
     def _takes(self, linear: fx.Node, op: str, notes: list) -> bool:
         """Whether TE takes `linear`; if not, the reason goes to `notes`, under `op`."""
-        reason = self._reject(linear)
-        if reason:
+        if reason := self._reject(linear):
             notes.append((op, f"te: {reason}; it runs as an ordinary {op}"))
         return not reason
 
@@ -341,8 +331,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
             return f"dtype {x.dtype}/{w.dtype}: TE linears take bf16 or fp16"
         if self.use_fp8:
             dims = {"M": math.prod(x.shape[:-1]), "K": x.shape[-1], "N": w.shape[0]}
-            bad = [f"{k}={v}" for k, v in dims.items() if not isinstance(v, int) or v % 16]
-            if bad:
+            if bad := [f"{k}={v}" for k, v in dims.items() if not isinstance(v, int) or v % 16]:
                 return f"fp8 needs M, K, N divisible by 16, got {', '.join(bad)}"
         return None
 
@@ -359,15 +348,13 @@ def _by_weight(m: Match, specs: dict) -> bool:
 
 
 def _linear_name(trace: Trace, m: Match, specs: dict) -> str:
-    """The qualified name of the linear's weight when it is a parameter (its fp8 state's name),
-    else a name unique to this node."""
+    """The linear's fp8 state name: its weight's qualified name if a parameter, else a name unique to this node."""
     w = m["w"]
     if stacked := match(STACKED, w):  # grouped linears: named after the first
         w = stacked["ws"][0]
     if transposed := match(TRANSPOSED, w):  # x @ W
         w = transposed["w"]
-    qualname = getattr(specs.get(w), "qualname", None)
-    return qualname or f"{trace.name}.{m.root.name}"
+    return getattr(specs.get(w), "qualname", None) or f"{trace.name}.{m.root.name}"
 
 
 def _extra_key(name: str, suffix: str) -> str:

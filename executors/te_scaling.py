@@ -72,8 +72,7 @@ class _Stack:
         raise IndexError(f"te fp8 state: column {column} was never allocated")
 
     def quantizer(self, column: int):
-        q = self.quantizers.get(column)
-        if q is None:
+        if (q := self.quantizers.get(column)) is None:
             from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
             history, scale = self.view(column, 1)
             q = Float8Quantizer(scale[0], history[0], te_dtype(self.fmt), rowwise=True, columnwise=self.columnwise)
@@ -112,12 +111,10 @@ class DelayedScalingState:
             first = self.forward.columns == 0
             self.forward.ensure(n, length, device)
             self.backward.ensure(n, length, device)
-            loaded = False
-            for name, tensors in list(self.pending.items()):
-                if name in self.names:
-                    self._load(name, tensors)
-                    del self.pending[name]
-                    loaded = True
+            loaded = [name for name in self.pending if name in self.names]
+            for name in loaded:
+                self._load(name, self.pending[name])
+                del self.pending[name]
             if first and loaded:
                 # A loaded state holds the last saved step's amaxes, not yet in its scales: fold them
                 # in now, as the uninterrupted run's next call did (this call's update found no state).
@@ -133,9 +130,7 @@ class DelayedScalingState:
 
     def backward_quantizer(self, index: int, device):
         self.allocate(device)
-        if self.backward.cold:
-            return current_quantizer(self.backward.fmt)
-        return self.backward.quantizer(index)
+        return current_quantizer(self.backward.fmt) if self.backward.cold else self.backward.quantizer(index)
 
     def recorded_forward(self, index: int, x: torch.Tensor, w: torch.Tensor) -> None:
         """After the forward casts: while cold, the amaxes of x and W go into the history."""

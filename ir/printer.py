@@ -54,11 +54,8 @@ def python_source(trace: Trace) -> str:
 
 def python_globals(trace: Trace) -> dict[str, Any]:
     """The values a printed trace refers to that are not in its text: constants and submodules."""
-    env = {}
-    for node in trace.graph.nodes:
-        if node.op in ("get_attr", "call_module"):
-            env[_identifier(node.target)] = operator.attrgetter(node.target)(trace.module)
-    return env
+    return {_identifier(node.target): operator.attrgetter(node.target)(trace.module)
+            for node in trace.graph.nodes if node.op in ("get_attr", "call_module")}
 
 
 def python_callable(trace: Trace) -> Callable:
@@ -104,8 +101,7 @@ def _tags(node: fx.Node) -> str:
     tags = []
     if node.meta.get("executor"):
         tags.append(f"executor={node.meta['executor']}")
-    policy = node.meta.get("recompute")
-    if policy is not None:
+    if (policy := node.meta.get("recompute")) is not None:
         tags.append(f"recompute={getattr(policy, 'name', policy)}")
     if node.meta.get("donated"):
         tags.append("donated")

@@ -65,8 +65,7 @@ def unbound_symbols(gm: fx.GraphModule) -> list[UnboundSymbol]:
 def check_symbols_bound(gm: fx.GraphModule, where: str) -> None:
     """Raises `UnboundSymbolError` if `gm` refers to a symbol its inputs do not bind (see
     `unbound_symbols`); `where` names the graph in the message (e.g. "region 3 (backward)")."""
-    problems = unbound_symbols(gm)
-    if problems:
+    if problems := unbound_symbols(gm):
         inputs = [f"{p.name}: {_show(node_value(p))}" for p in gm.graph.nodes if p.op == "placeholder"]
         raise UnboundSymbolError(
             f"{where}: refers to shape symbol{'s' if len(problems) > 1 else ''} "
@@ -111,9 +110,7 @@ def _introduced(node: fx.Node, exprs: list) -> set:
     found = set(node.meta.get("unbacked_bindings") or ())
     if found or node.op != "call_function":
         return found
-    for expr in exprs:  # graphs made without `unbacked_bindings` metadata
-        found |= {s for s in expr.free_symbols if _is_unbacked(s)}
-    return found
+    return {s for expr in exprs for s in expr.free_symbols if _is_unbacked(s)}  # graphs without `unbacked_bindings`
 
 
 def _literals(args) -> list:

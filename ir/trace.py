@@ -85,13 +85,9 @@ class Trace:
             raise ValueError(f"Trace level must be 'torch' or 'aten', got {level!r}")
         if stage is not None and stage not in tuple(Stage):
             raise ValueError(f"Trace stage must be one of {[s.value for s in Stage]} or None, got {stage!r}")
-        self._gm = gm
-        self.name = name
-        self.level = level
+        self._gm, self.name, self.level = gm, name, level
         self.stage = None if stage is None else Stage(stage)
-        self.inputs = tuple(inputs)
-        self.outputs = tuple(outputs)
-        self.provenance = tuple(provenance)
+        self.inputs, self.outputs, self.provenance = tuple(inputs), tuple(outputs), tuple(provenance)
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -166,14 +162,12 @@ def node_value(node: fx.Node) -> Any:
 
 def is_random(node: fx.Node) -> bool:
     """Whether the node's op draws random numbers: recomputing or reordering it changes the draws."""
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
 
 
 def output_ancestors(gm: fx.GraphModule, count: int) -> set[fx.Node]:
     """The nodes the first `count` outputs of `gm` depend on (of a joint graph: its forward)."""
-    output = gm.graph.output_node()
-    stack = [a for a in output.args[0][:count] if isinstance(a, fx.Node)]
+    stack = [a for a in gm.graph.output_node().args[0][:count] if isinstance(a, fx.Node)]
     seen: set[fx.Node] = set()
     while stack:
         node = stack.pop()

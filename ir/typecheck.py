@@ -61,8 +61,7 @@ def _check_nodes(trace: Trace, known: set, who: str, entered: list) -> None:
         except Exception as e:
             raise TraceError(f"{who}: node {node.name!r} cannot be computed from its inputs: "
                              f"{type(e).__name__}: {str(e).strip()[:300]}\n{_context(node)}") from e
-        problem = _difference(claimed, derived)
-        if problem:
+        if problem := _difference(claimed, derived):
             raise TraceError(f"{who}: node {node.name!r} claims {problem}\n{_context(node)}")
         env[node] = claimed
 
@@ -112,10 +111,9 @@ def refresh_values(changed: list[fx.Node]) -> None:
     differently: for passes that change what feeds existing nodes (e.g. to a strided slice)."""
     if not changed:
         return
-    graph = changed[0].graph
     dirty = set(changed)
     env: dict[fx.Node, Any] = {}
-    for node in graph.nodes:
+    for node in changed[0].graph.nodes:
         env[node] = node_value(node)
         if node in dirty or node.op not in ("call_function", "call_method"):
             continue
@@ -151,8 +149,7 @@ def _derivable(node: fx.Node, claimed) -> bool:
 
 
 class _CannotRun(Exception):
-    """The node's inputs cannot be brought into one fake mode (symbolic sizes of two shape
-    environments): it is not re-derived."""
+    """The node's inputs cannot be brought into one fake mode (symbolic sizes of two shape envs): not re-derived."""
 
 
 def _run(node: fx.Node, env: dict):
@@ -192,8 +189,7 @@ def _difference(claimed, derived) -> str:
         if len(claimed) != len(derived):
             return f"{len(claimed)} values but its op returns {len(derived)}"
         for i, (c, d) in enumerate(zip(claimed, derived)):
-            problem = _difference(c, d)
-            if problem:
+            if problem := _difference(c, d):
                 return f"[{i}] {problem}"
         return ""
     if isinstance(claimed, torch.Tensor) != isinstance(derived, torch.Tensor):

@@ -9,8 +9,7 @@ import torch.fx as fx
 
 def boxed(gm: fx.GraphModule):
     """A function `fn(args: list)` running `gm` that clears `args` once it has read it."""
-    single = _single_region(gm)
-    if single is not None:
+    if (single := _single_region(gm)) is not None:
         return single
     graph = fx.Graph()
     args_list = graph.placeholder("args_list")
@@ -83,7 +82,6 @@ def _single_region(gm: fx.GraphModule):
         passed = {i: args[i] for i in kept}
         args.clear()
         results = region.call_boxed(region_args)
-        return tuple(results[i] if kind == "output" else passed[i] if kind == "input" else i
-                     for kind, i in outs)
+        return tuple(results[i] if kind == "output" else passed[i] if kind == "input" else i for kind, i in outs)
     run._boxed_call = True
     return run

@@ -202,9 +202,7 @@ def read_entry(key: str) -> Optional[dict]:
     """The entry stored under `key`, or None (absent; or not readable, not authentic, stale: then
     one warning, and the recompiled entry replaces it). Raises `Untrusted` when a path in the way
     is not this user's alone (then the caller turns the cache off)."""
-    root = cache_root()
-    secret = trusted_key(root)
-    path = entry_path(key)
+    secret, path = trusted_key(cache_root()), entry_path(key)
     try:
         folder = os.lstat(os.path.dirname(path))
     except FileNotFoundError:
@@ -236,8 +234,7 @@ def write_entry(key: str, entry: dict, root: Optional[str] = None) -> None:
     """Writes atomically (a 0600 temporary file in the same 0700 folder, then `os.replace`), sealed
     with this user's key, under `root` (default: `cache_root()`)."""
     root = root or cache_root()
-    secret = trusted_key(root)
-    path = entry_path(key, root)
+    secret, path = trusted_key(root), entry_path(key, root)
     cache_files.private_dir(os.path.dirname(path))
     payload = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
     cache_files.write_file(path, cache_files.seal(secret, key, payload, MAGIC))

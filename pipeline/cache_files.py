@@ -33,8 +33,7 @@ def check_owned(path: str, st: os.stat_result, what: str, private: bool = False)
     if st.st_uid != uid:
         raise Untrusted(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {uid}); "
                         f"remove it, or point PIPELINE_CACHE_DIR at a directory of your own")
-    bad = 0o077 if private else 0o022
-    if st.st_mode & bad:
+    if st.st_mode & (0o077 if private else 0o022):
         mode = "0600" if private else ("0700" if stat.S_ISDIR(st.st_mode) else "0600")
         raise Untrusted(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: group or others can "
                         f"{'read or write' if private else 'write'} it; run `chmod {mode} {path}`")

@@ -35,8 +35,7 @@ def save(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None) ->
         if rank == 0:
             tensors.update({MODEL + k: _storable(v, k) for k, v in rest.items()})
     else:
-        for key, value in cm.state_dict().items():
-            tensors[MODEL + key] = _storable(value, key)
+        tensors.update({MODEL + k: _storable(v, k) for k, v in cm.state_dict().items()})
     if optimizer is not None:
         metadata["optimizer"] = _save_optimizer(cm, optimizer, tensors, rows)
     metadata["rows"] = json.dumps(rows)

@@ -213,8 +213,7 @@ class PipelineBackend:
         return why_not is None
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
-        """AOTAutograd's partition hook: joint passes run here (the default `save_policy` among
-        them), then the min-cut partitioner."""
+        """AOTAutograd's partition hook: the joint passes (default `save_policy` too), then the min-cut partitioner."""
         passes = [p for p in self.state.config.passes if p.runs_on == "joint"]
         if passes:
             trace = Trace(joint, name=f"{record.graph_id}_joint", level="aten", stage=Stage.JOINT,
@@ -252,10 +251,9 @@ class PipelineBackend:
 
     def _execute(self, stage: str, trace: Trace, donated: list, example_inputs, *, record: GraphRecord,
                  cache: GraphCache | None, lowered: str, loaded: StageCode | None = None) -> tuple:
-        """A stage's trace, after its passes, dispatched to the executors (its regions loaded from
-        the artifact cache where they are there), boxed, and recorded as a CUDA graph if asked; or
-        a `loaded` stage's regions built again. Returns (the callable, the execution trace, the
-        assignment, why the stage is no CUDA graph or None)."""
+        """A stage's trace, after its passes, dispatched to the executors (its regions loaded from the artifact
+        cache where they are there), boxed, and recorded as a CUDA graph if asked; or a `loaded` stage's regions
+        built again. Returns (the callable, the execution trace, the assignment, why no CUDA graph or None)."""
         start = time.perf_counter()
         execution = dispatch(trace, self.state.config.executors, stage=stage, graph_id=record.graph_id,
                              first_region_id=sum(len(r.regions) for r in self.state.history.records),

@@ -47,14 +47,11 @@ def why_not_recordable(trace: Trace, example_inputs: Sequence, executors) -> Opt
     if any(isinstance(v, torch.SymInt) for v in example_inputs) or any(
             isinstance(t, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in t.shape) for t in example_inputs):
         return "dynamic shapes (each size would need its own graph); use dynamic=False"
-    unsafe = sorted(e.name for e in executors if not e.cuda_graphs_safe)
-    if unsafe:
+    if unsafe := sorted(e.name for e in executors if not e.cuda_graphs_safe):
         return f"executor(s) {unsafe} launch kernels that a CUDA graph cannot capture"
-    bad = get_first_incompatible_cudagraph_node(trace.module)
-    if bad is not None:
+    if (bad := get_first_incompatible_cudagraph_node(trace.module)) is not None:
         return f"{bad.name} ({bad.target}) cannot be captured (data-dependent size or marked unsafe)"
-    mutated = _mutated_inputs(trace.module)
-    if mutated:
+    if mutated := _mutated_inputs(trace.module):
         return f"the stage writes into its inputs {mutated[:3]}"
     return None
 

@@ -127,6 +127,4 @@ class GradCapture:
 
 
 def _signature(v):
-    if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), v.dtype, v.device, v.requires_grad)
-    return (type(v), v)
+    return (tuple(v.shape), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else (type(v), v)

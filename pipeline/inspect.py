@@ -24,15 +24,12 @@ class RegionTable(list):
         if not self:
             return "(no regions: the model has not been called yet, or it ran entirely in eager)"
         rows = [("id", "graph", "stage", "executor", "#ops", "ops", "inputs", "outputs")]
-        for r in self:
-            executor = r.executor + _fallback_mark(r.fallback_reason)
-            rows.append((str(r.id), r.graph_id, r.stage, executor, str(r.op_count), _summarize(r.ops),
-                         _clip(", ".join(r.input_shapes)), _clip(", ".join(r.output_shapes))))
+        rows += [(str(r.id), r.graph_id, r.stage, r.executor + _fallback_mark(r.fallback_reason), str(r.op_count),
+                  _summarize(r.ops), _clip(", ".join(r.input_shapes)), _clip(", ".join(r.output_shapes))) for r in self]
         # a region compiled as an earlier identical one shares its reason: say it once
         notes = [f"region {r.id}: {r.fallback_reason}" for r in self if r.fallback_reason and r.compiled_as is None]
         notes += [_race_note(r, sum(t.compiled_as == r.id for t in self)) for r in self if r.race and r.compiled_as is None]
-        twins = sum(r.compiled_as is not None for r in self)
-        if twins:
+        if twins := sum(r.compiled_as is not None for r in self):
             notes.append(f"{twins} of {len(self)} regions run the code compiled for an identical earlier "
                          f"region (Region.compiled_as)")
         return "\n".join(format_table(rows) + notes)
@@ -189,8 +186,7 @@ def format_table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def _summarize(ops: list[str], limit: int = 60) -> str:
-    text = ", ".join(f"{k}×{v}" if v > 1 else k for k, v in Counter(ops).items())
-    return _clip(text, limit)
+    return _clip(", ".join(f"{k}×{v}" if v > 1 else k for k, v in Counter(ops).items()), limit)
 
 
 def _clip(text: str, limit: int = 40) -> str:

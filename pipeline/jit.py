@@ -75,13 +75,11 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
 
     executors: executor objects from `executors` or their names, by priority; ops nobody claims run
         on the `torch` executor (eager ATen kernels).
-    transforms: trace passes (`transforms.trace_pass`, `mixed_precision`, ...), each running where it
-        declares, and model-changing transforms (`quantize`, `fsdp`, `materialize`), applied to the
-        module now.
+    transforms: trace passes (`transforms.trace_pass`, `mixed_precision`, ...), each running where it declares, and
+        model-changing transforms (`quantize`, `fsdp`, `materialize`), applied to the module now.
     fullgraph: raise `GraphBreakError` instead of splitting the graph at a graph break.
     dynamic: as in `torch.compile` (None: Dynamo's automatic dynamic shapes).
-    cache: look up and store compiled artifacts on disk (`PIPELINE_CACHE_DIR`; `PIPELINE_CACHE=0`
-        turns it off everywhere).
+    cache: look up and store compiled artifacts on disk (`PIPELINE_CACHE_DIR`; `PIPELINE_CACHE=0`: off everywhere).
     cuda_graphs: record each compiled stage (forward, backward) as one CUDA graph and replay it
         (pipeline/cuda_graphs.py). As with torch.compile's mode="reduce-overhead", the next step
         overwrites a step's outputs: keep a value across steps with `.item()` or `.clone()`. Each
@@ -125,11 +123,10 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
 
 
 def _own_recompile_budget() -> dict:
-    """Each jit its own Dynamo cache entries and recompile limit. Dynamo keys compiled code on the
-    code object (`Model.forward`, shared by every instance of a class) and guards it on the
-    backend; without this, the 9th jitted instance of one class would hit the recompile limit (8)
-    and run uncompiled. torch 2.11 lacks the option: there the limit is raised by one per jit
-    (counted in `_jits`) and a hit limit is still reported (`_DynamoGiveUps`)."""
+    """Each jit its own Dynamo cache entries and recompile limit. Dynamo keys compiled code on the code object
+    (`Model.forward`, shared by every instance of a class) and guards it on the backend; without this, the 9th jitted
+    instance of one class would hit the recompile limit (8) and run uncompiled. torch 2.11 lacks the option: there the
+    limit is raised by one per jit (counted in `_jits`) and a hit limit is still reported (`_DynamoGiveUps`)."""
     global _jits
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         return {"isolate_recompiles": True}
@@ -307,9 +304,7 @@ class JittedModule(torch.nn.Module):
         object.__setattr__(self, "_original", model)
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_state", state)
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
+        self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
         self.training = model.training
 
     def forward(self, *args, **kwargs):

@@ -28,16 +28,14 @@ class Replaced:
 
 def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
           device: torch.device | None = None) -> dict[str, Replaced]:
-    """Replaces the parameters the transforms claim (several as a chain, `transforms.chain`) by light
-    stand-ins of the same shape, dtype and device, so the original module still captures; returns what
-    replaced them. Everything is checked before any parameter changes, so an error leaves the model
-    as it was. `reader` (an open safetensors file) supplies the values, read slice by slice
-    (`encode_slices`) and cast to the parameter's dtype (with a warning)."""
+    """Replaces the parameters the transforms claim (several as a chain, `transforms.chain`) by light stand-ins of the
+    same shape, dtype and device, so the original module still captures; returns what replaced them. Everything is
+    checked before any parameter changes, so an error leaves the model as it was. `reader` (an open safetensors file)
+    supplies the values, read slice by slice (`encode_slices`) and cast to the parameter's dtype (with a warning)."""
     claimed = _claimed(model, transforms)
     if reader is not None:
         keys = set(reader.keys())
-        missing = [q for q in claimed if q not in keys]
-        if missing:
+        if missing := [q for q in claimed if q not in keys]:
             raise KeyError(lacks_message("the checkpoint", missing, keys))
     replaced, casts = {}, []
     for qualname, (module_prefix, module, attr, param, transform) in claimed.items():
@@ -71,11 +69,9 @@ def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:
             qualname = f"{module_prefix}.{attr}" if module_prefix else attr
             if qualname in claimed:
                 continue
-            transform = for_parameter(transforms, module, qualname, param)
-            if transform is None:
+            if (transform := for_parameter(transforms, module, qualname, param)) is None:
                 continue
-            why = transform.refuses(module, param)
-            if why is not None:
+            if (why := transform.refuses(module, param)) is not None:
                 refused.append((transform, f"{qualname} ({why})"))
             claimed[qualname] = (module_prefix, module, attr, param, transform)
     if refused:
@@ -138,8 +134,7 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
 
 
 def state_dict(original_state: dict, replaced: dict[str, Replaced]) -> dict:
-    """The original model's state dict, replaced parameters decoded, transform state under
-    `_extra_state` keys."""
+    """The original model's state dict, replaced parameters decoded, transform state under `_extra_state` keys."""
     out = dict(original_state)
     for qualname, r in replaced.items():
         if qualname in out:

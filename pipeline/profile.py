@@ -28,8 +28,7 @@ class ProfileTable(list):
     def __str__(self) -> str:
         rows = [("id", "stage", "executor", "calls", "ms", "ops")]
         rows += [(str(r.id), r.stage, r.executor, str(r.calls), f"{r.ms:.3f}", r.ops) for r in self]
-        total = sum(r.ms for r in self)
-        return "\n".join(format_table(rows) + [f"total in regions: {total:.3f} ms"])
+        return "\n".join(format_table(rows) + [f"total in regions: {sum(r.ms for r in self):.3f} ms"])
 
     __repr__ = __str__
 
@@ -38,8 +37,7 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
     """Runs `cm(*args, **kwargs)` once (and the backward of its output's sum when it requires grad
     and `backward` is set) under the profiler; returns the time per region."""
     cm(*args, **kwargs)  # compile first, so compilation is not profiled
-    recorded = [k for k, v in compile_stats(cm).cuda_graphs.items() if v == "on"]
-    if recorded:
+    if recorded := [k for k, v in compile_stats(cm).cuda_graphs.items() if v == "on"]:
         raise ValueError(f"pipeline.profile times regions one by one, but this model replays CUDA graphs "
                          f"({', '.join(recorded)}): profile a pipeline.jit of it without cuda_graphs=True")
     use_cuda = torch.cuda.is_available()
@@ -59,8 +57,7 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
     by_label = {e.key: e for e in prof.key_averages()}
     result = ProfileTable()
     for r in regions(cm):
-        event = by_label.get(f"region{r.id}:{r.executor}")
-        if event is None:
+        if (event := by_label.get(f"region{r.id}:{r.executor}")) is None:
             continue
         micros = getattr(event, "device_time_total", 0) or event.cpu_time_total
         result.append(RegionTime(r.id, r.stage, r.executor, _clip(_summarize(r.ops), 50), event.count, micros / 1e3))

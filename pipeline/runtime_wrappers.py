@@ -36,8 +36,7 @@ class ModelTransformInputs(RuntimeWrapper):
     input, the qualified name of the parameter it replaces, or None."""
 
     def __init__(self, replaced: dict, qualnames: Optional[list] = None):
-        self.replaced = replaced
-        self.qualnames = qualnames
+        self.replaced, self.qualnames = replaced, qualnames
 
     def pre_compile(self, trace, example_inputs):
         self.qualnames = [s.qualname if s.kind == "parameter" and s.qualname in self.replaced else None

@@ -38,10 +38,8 @@ def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
             if isinstance(source, torch.Tensor) and source.dtype in _HALF:
                 root[node] = node
             continue
-        if _elementwise_or_layout(node.target):
-            upcast = _single_root(node, value, root)
-            if upcast is not None:
-                root[node] = upcast
+        if _elementwise_or_layout(node.target) and (upcast := _single_root(node, value, root)) is not None:
+            root[node] = upcast
     return _tag(joint, num_fwd_outputs, root)
 
 
@@ -53,8 +51,7 @@ def recompute_fp8_casts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
         value = node_value(node)
         if node.op != "call_function" or "recompute" in node.meta or not isinstance(value, torch.Tensor):
             continue
-        layout = _layout(node.target)
-        if value.dtype in _FP8 or (layout and any(a in derived for a in node.all_input_nodes)):
+        if value.dtype in _FP8 or (_layout(node.target) and any(a in derived for a in node.all_input_nodes)):
             derived.add(node)
     return _tag(joint, num_fwd_outputs, derived | _copies_cast(derived))
 
@@ -79,8 +76,7 @@ def _tag(joint: fx.GraphModule, num_fwd_outputs: int, nodes) -> int:
     `torch.utils.checkpoint` regions (their boundaries are the user's choice); how many it tagged."""
     if any("ac_graph_id" in n.meta for n in joint.graph.nodes):
         return 0
-    output = joint.graph.output_node()
-    returned = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
+    returned = {a for a in joint.graph.output_node().args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
     tagged = [n for n in nodes if n not in returned]
     for node in tagged:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE

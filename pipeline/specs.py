@@ -63,9 +63,7 @@ def _captured_input(desc, captured: Sequence[InputSpec]) -> Optional[InputSpec]:
     attribute or a synthetic base), or None (an activation, a token, a lifted parameter)."""
     while desc is not None and not isinstance(desc, PlainAOTInput):
         desc = getattr(desc, "base", None) or getattr(desc, "base_of", None)
-    if desc is None or desc.idx >= len(captured):
-        return None
-    return captured[desc.idx]
+    return None if desc is None or desc.idx >= len(captured) else captured[desc.idx]
 
 
 def lowered_output_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: Stage,
@@ -80,9 +78,8 @@ def lowered_output_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stag
                 for i in range(len(out))]
     specs: list[OutputSpec] = []
     if fw_metadata is not None:
-        for i in fw_metadata.mutated_inp_runtime_indices:
-            target = _label(captured[i]) if i < len(captured) else None
-            specs.append(OutputSpec(OutputKind.MUTATED_INPUT, target))
+        specs += [OutputSpec(OutputKind.MUTATED_INPUT, _label(captured[i]) if i < len(captured) else None)
+                  for i in fw_metadata.mutated_inp_runtime_indices]
         specs += [OutputSpec(OutputKind.USER_OUTPUT)] * fw_metadata.num_outputs
         specs += [OutputSpec(OutputKind.INTERMEDIATE_BASE)] * fw_metadata.num_intermediate_bases
     rest = OutputKind.SAVED if stage == Stage.FORWARD else OutputKind.USER_OUTPUT

@@ -67,8 +67,7 @@ class StageCode(OutputCode):
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.run is not None:
             return
-        loader = _LOADER.get()
-        if loader is None:
+        if (loader := _LOADER.get()) is None:
             raise RuntimeError("a pipeline stage was loaded outside pipeline.warm_start.load_entry")
         name, level, stage, inputs, outputs, provenance = self._trace_fields
         self.executed = Trace(trace_pickle.loads(self._graph_bytes), name=name, level=level, stage=stage,
@@ -125,8 +124,7 @@ def record_entry(key: str, on_entry: Callable[[bytes, float], None], on_failure:
             return
         on_entry(data, time.perf_counter() - start)
 
-    patched = {"enable_autograd_cache": True, "bundled_autograd_cache": True,
-               "force_non_lazy_backward_lowering": True}
+    patched = {"enable_autograd_cache": True, "bundled_autograd_cache": True, "force_non_lazy_backward_lowering": True}
     with functorch_config.patch(patched), \
             mock.patch.object(AOTAutogradCache, "try_load", staticmethod(start)), \
             mock.patch.object(AOTAutogradCache, "save", staticmethod(save)):

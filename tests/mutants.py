@@ -36,7 +36,7 @@ def transposed_results():
     """Every region returns its 2-D+ tensor outputs transposed (the last two dims): a region runner
     that hands back the wrong layout of the right data."""
     import torch
-    from executors.plan import CompiledRegion
+    from executors.compiled_region import CompiledRegion
     forward, call_boxed = CompiledRegion.forward, CompiledRegion.call_boxed
 
     def transpose(out):

@@ -297,6 +297,57 @@ def test_a_region_whose_compile_failed_is_compiled_again_next_time(mlp):
     assert torch.equal(out0, out1)
 
 
+@pytest.mark.allow_fallback
+def test_a_region_whose_background_compile_fails_falls_back_and_is_not_stored():
+    """`finish_region` completes what `compile_region` left running (Inductor's kernels). It runs once
+    every region is compiled, before anything is stored; when it raises, the region and its identical
+    twins run on the next executor, with a warning, as after a failed compile, and nothing is stored."""
+    from helpers import Claiming
+    from ir import PipelineFallbackWarning
+
+    class Pending(Claiming):
+        def __init__(self, fail):
+            super().__init__("pending", tag=torch.Tag.pointwise)
+            self.fail_finish, self.finished, self.stored = fail, [], []
+
+        def compile_region(self, gm, example_inputs):
+            fn = super().compile_region(gm, example_inputs)
+            return lambda *args: fn(*args)  # a new callable per compile, "still compiling"
+
+        def finish_region(self, fn):
+            if self.fail_finish:
+                raise RuntimeError("a compile worker crashed")
+            self.finished.append(fn)
+
+        artifact_unsupported_reason = lambda self, gm, example_inputs: None  # noqa: E731
+        load_region = lambda self, data, gm, example_inputs: gm.forward  # noqa: E731
+
+        def save_region(self, fn):
+            assert fn in self.finished, "stored before finish_region"
+            self.stored.append(fn)
+            return b""
+
+    def two_layers(x):
+        return ((x.sin() * 2).cumsum(0).sin() * 2).cumsum(0)
+
+    x = torch.randn(6)
+    torch._dynamo.reset()
+    failing = Pending(fail=True)
+    cf = pipeline.jit(two_layers, executors=[failing])
+    with pytest.warns(PipelineFallbackWarning, match="pending failed to compile: RuntimeError: a compile worker crashed"):
+        assert torch.equal(cf(x), two_layers(x))
+    regions = pipeline.regions(cf)
+    assert [r.executor for r in regions] == ["torch"] * 4 and regions[2].compiled_as == 0  # the twin too
+    assert "pending failed to compile" in regions[2].fallback_reason
+    assert not failing.stored and len(failing.received) == 1
+    torch._dynamo.reset()
+    working = Pending(fail=False)
+    cf = pipeline.jit(two_layers, executors=[working])
+    assert torch.equal(cf(x), two_layers(x))
+    assert [r.executor for r in pipeline.regions(cf)] == ["pending", "torch", "pending", "torch"]
+    assert working.stored == working.finished and len(working.finished) == 1
+
+
 def test_a_stage_with_identical_regions_hits(monkeypatch):
     """Regions that run an identical earlier region's code are neither compiled nor loaded: a warm
     cache still counts them as loaded, and reports a hit."""

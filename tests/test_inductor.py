@@ -49,3 +49,29 @@ def test_graph_break_function_matches_eager():
     torch.testing.assert_close(cf(x), data_dependent(x))
     torch.testing.assert_close(cf(-x), data_dependent(-x))
     assert pipeline.compile_stats(cf).graphs >= 2
+
+
+def test_regions_compile_while_the_kernels_of_earlier_ones_build(mlp, monkeypatch):
+    """Inductor's generated module would wait for its kernels as it loads; the executor leaves them to
+    Inductor's compile workers while the next regions compile and waits (`finish_region`) once the
+    stage's regions are all compiled, before any runs. Kernels still compiling are futures."""
+    from concurrent.futures import Future
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import CodeCacheFuture
+    from executors.inductor_executor import InductorExecutor
+
+    AsyncCompile.wait_pool_ready()  # until the workers are up, kernels compile in this process
+    left_compiling, finish = [], InductorExecutor.finish_region
+
+    def counting_finish(self, fn):
+        left_compiling.append(sum(isinstance(v, (Future, CodeCacheFuture)) for scope in fn.pending
+                                  for v in scope.values()))
+        finish(self, fn)
+        assert not fn.pending
+    monkeypatch.setattr(InductorExecutor, "finish_region", counting_finish)
+    ref, out, eager, cm = run_both(mlp, torch.randn(4, 16), executors=["inductor"], train=True)
+    torch.testing.assert_close(out, ref)
+    assert_same_grads(eager, cm, exact=False)
+    assert {(r.stage, r.executor) for r in pipeline.regions(cm)} == {("forward", "inductor"),
+                                                                      ("backward", "inductor")}
+    assert len(left_compiling) == 2 and all(n > 0 for n in left_compiling), left_compiling

@@ -97,8 +97,7 @@ def _equals_causal(mask: Optional[torch.Tensor]) -> bool:
 def _constant(gm: fx.GraphModule, node: fx.Node) -> Optional[torch.Tensor]:
     """The value of `node` computed now, when it depends on constants only (else None)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    nodes = _ancestors(node)
-    if nodes is None:
+    if (nodes := _ancestors(node)) is None:
         return None
     graph, env = fx.Graph(), {}
     for n in nodes:
@@ -125,9 +124,7 @@ def _ancestors(node: fx.Node) -> Optional[list[fx.Node]]:
             if i not in seen:
                 seen.add(i)
                 work.append(i)
-    if _written(seen):
-        return None
-    return [n for n in node.graph.nodes if n in seen]
+    return None if _written(seen) else [n for n in node.graph.nodes if n in seen]
 
 
 def _bytes(value: torch.Tensor):  # the memory behind `value` (an expanded view's storage's bytes)

@@ -77,8 +77,7 @@ class Chain(ModelTransform):
         extra = {s: t for s, t in rows.items() if s}
         mid = self.first.encode(rows[""], extra or None)
         mids = self._mids(original)
-        return {f"{s}.{s2}": t2 for s, t in mid.items()
-                for s2, t2 in self.then.from_rows({"": t}, mids[s]).items()}
+        return {f"{s}.{s2}": t2 for s, t in mid.items() for s2, t2 in self.then.from_rows({"": t}, mids[s]).items()}
 
     def local_rows(self, tensors, original):
         mids = self._mids(original)

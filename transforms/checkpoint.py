@@ -26,8 +26,7 @@ EXPENSIVE = {
 
 def is_expensive(node: fx.Node) -> bool:
     """Matmuls, convolutions and attention: what the selective policy saves."""
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket in EXPENSIVE
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.overloadpacket in EXPENSIVE
 
 
 @pass_factory
@@ -61,6 +60,5 @@ def checkpoint(policy: Union[str, Callable[[fx.Node], bool]] = "selective") -> T
 
 def forward_ops(gm: fx.GraphModule, trace: Trace) -> list[fx.Node]:
     """The ops the forward outputs depend on (the joint trace's outputs say which are forward)."""
-    n_forward = sum(1 for s in trace.outputs if s.kind == OutputKind.FORWARD_OUTPUT)
-    forward = output_ancestors(gm, n_forward)
+    forward = output_ancestors(gm, sum(1 for s in trace.outputs if s.kind == OutputKind.FORWARD_OUTPUT))
     return [n for n in gm.graph.nodes if n in forward and n.op == "call_function"]

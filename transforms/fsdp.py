@@ -25,8 +25,7 @@ class FSDP(ModelTransform):
             raise RuntimeError("fsdp needs torch.distributed initialised (torchrun, or init_process_group) "
                                "before pipeline.jit")
         self.group = process_group or dist.group.WORLD
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.name = f"fsdp({self.world} ranks)"
 
     def applies_to(self, module, qualname, param) -> bool:

@@ -55,8 +55,7 @@ def load_tensors(model: torch.nn.Module, path: str, skip: frozenset = frozenset(
     state = {k: v for k, v in everything.items() if k not in skip}
     with safe_open(path, framework="pt") as f, torch.no_grad():
         keys = set(f.keys())
-        missing = [k for k in state if k not in keys and not k.endswith("_extra_state")]
-        if missing:
+        if missing := [k for k in state if k not in keys and not k.endswith("_extra_state")]:
             raise KeyError(lacks_message(path, missing, keys))
         casts = []
         for key, target in state.items():
@@ -69,8 +68,7 @@ def load_tensors(model: torch.nn.Module, path: str, skip: frozenset = frozenset(
                     casts.append((key, source.dtype, target.dtype))
                 target.copy_(source)
     problems = [casts_message(casts)] if casts else []
-    unmatched = sorted(keys - set(everything))
-    if unmatched:
+    if unmatched := sorted(keys - set(everything)):
         problems.append(f"{len(unmatched)} keys match no parameter or buffer of the model and were ignored: "
                         f"{_listed(unmatched)}{_saved_hint(keys, everything)}")
     if problems:

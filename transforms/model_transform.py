@@ -22,9 +22,7 @@ class ModelTransform:
     def refuses(self, module: torch.nn.Module, param: torch.Tensor) -> Optional[str]:
         """Why this transform will not replace `param` of `module`, or None: one whose new tensors are
         frozen refuses a module in train() mode (`requires_grad` alone is no refusal: it is the default)."""
-        if not self.trainable and module.training:
-            return "its module is in train() mode"
-        return None
+        return "its module is in train() mode" if not self.trainable and module.training else None
 
     def cannot_encode(self, value: torch.Tensor) -> Optional[str]:
         """Why `value` (a meta tensor) cannot be encoded, or None; checked on what a chain hands over."""

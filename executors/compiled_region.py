@@ -1,0 +1,77 @@
+"""`CompiledRegion`: one region of an execution trace as it runs, its executor's compiled code behind
+the checks of its first call.
+"""
+
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from ir import Region
+
+from .result_check import ResultCheck
+
+
+class CompiledRegion(torch.nn.Module):
+    """One region as it runs: the executor's compiled callable. Its first call is checked
+    (`result_check.py`; `PIPELINE_DEBUG=1`: every call): a wrong result is replaced by that of the next
+    executor claiming the region (`replace`), which then runs it. While `profiling` is set
+    (`pipeline.profile`), each call is a named range (`region3:inductor`) in the profiler's trace."""
+
+    profiling = False
+
+    def __init__(self, fn: Callable, region: Region, source: fx.GraphModule,
+                 replace: Optional[Callable[[str], Callable]] = None):
+        super().__init__()
+        self.fn = fn
+        self.region = region
+        self.source = source  # the region's ATen graph, for inspection
+        self.check = ResultCheck(source, region, replace)
+        self.forward = self._checked_forward  # instance attributes: dropped after the first call
+        self.call_boxed = self._checked_call_boxed
+
+    def _checked_forward(self, *args):
+        return self._checked(list(args), boxed=False)
+
+    def _checked_call_boxed(self, args: list):
+        return self._checked(args, boxed=True)
+
+    def _checked(self, args: list, boxed: bool):
+        held = self.check.hold(args)  # the inputs, to run the region again if its result is wrong
+        out = CompiledRegion.call_boxed(self, args) if boxed else CompiledRegion.forward(self, *args)
+        while (problem := self.check.problem(out)) is not None:
+            self.fn = self.check.replacement(problem)
+            if held is None:
+                raise RuntimeError(f"{problem}; this call cannot run again (the region's inputs were donated "
+                                   f"to it): the next call runs on {self.region.executor}")
+            out = CompiledRegion.forward(self, *held)
+        if not self.check.every_call:
+            del self.forward, self.call_boxed
+        return out
+
+    @property
+    def label(self) -> str:  # a named range in the profiler's timeline
+        return f"region{self.region.id}:{self.region.executor}"
+
+    def forward(self, *args):
+        if CompiledRegion.profiling:
+            with torch.profiler.record_function(self.label):
+                return self.fn(*args)
+        return self.fn(*args)
+
+    def call_boxed(self, args: list):
+        """Runs the region on an argument list that it empties. When the executor's callable has a
+        boxed entry (`fn.boxed(list)`, as Inductor's has), nothing else holds the inputs while the
+        region runs, so each is freed after its last use inside the region."""
+        run = getattr(self.fn, "boxed", None)
+        if run is None:
+            held = tuple(args)
+            args.clear()
+            return CompiledRegion.forward(self, *held)
+        if CompiledRegion.profiling:
+            with torch.profiler.record_function(self.label):
+                return run(args)
+        return run(args)
+
+    def extra_repr(self) -> str:
+        return f"{self.region.executor}, {self.region.op_count} ops"
