@@ -192,13 +192,13 @@ class InductorRegion:
         itself (`TritonBundler`), for the artifact cache."""
         from torch._inductor.async_compile import AsyncCompile
         from torch._inductor.triton_bundler import TritonBundler
-        scopes, self.pending = self.pending, []
-        if not scopes:
+        if not self.pending:
             return
         TritonBundler.begin_compile()
         try:
-            for scope in scopes:
+            for scope in self.pending:  # a kernel that failed to compile raises here, and again if called again
                 getattr(AsyncCompile.wait, "real", AsyncCompile.wait)(AsyncCompile(), scope)
+            self.pending = []
             bundle, _ = TritonBundler.collect()
             if (before := getattr(self.compiled, "_triton_bundle", None)) is not None:  # those done in compile
                 bundle = type(bundle)(before.kernel_artifacts + bundle.kernel_artifacts,
