@@ -158,23 +158,32 @@ class _RegionBuilder:
 
     def _finish_all(self) -> None:
         """Waits for what the compiles left running (Inductor's kernels, built by its workers while the
-        next regions compiled), then stores each region. A region whose wait fails goes, loudly, to the
-        next executor claiming it, as one whose result is wrong does (`_replace_wrong_result`)."""
+        next regions compiled), then stores each region (a race's choice is stored once made). A
+        candidate whose wait fails leaves its race; a region left with none goes, loudly, to the next
+        executor claiming it, as one whose result is wrong does (`_replace_wrong_result`)."""
         for fn, source, region, structure, key, failed in self.unfinished:
-            start = time.perf_counter()
-            try:
-                self.by_name[region.executor].finish_region(fn)
-            except Exception as e:
-                problem = f"{region.executor} failed to compile: {type(e).__name__}: {str(e).strip()[:300]}"
-                new = _replace_wrong_result(problem, source=source, region=region, structure=structure,
+            start, race, problems = time.perf_counter(), fn if isinstance(fn, Race) else None, []
+            for name, candidate in list(race.candidates.items()) if race else [(region.executor, fn)]:
+                try:
+                    self.by_name[name].finish_region(candidate)
+                except Exception as e:
+                    problems.append(f"{name} failed to compile: {type(e).__name__}: {str(e).strip()[:300]}")
+                    if race:
+                        race.candidates.pop(name)
+            if problems and race and race.candidates:  # until the race chooses, the first left runs it
+                region.executor = next(iter(race.candidates))
+                region.fallback_reason = "; ".join(filter(None, [region.fallback_reason, *problems]))
+            elif problems:
+                new = _replace_wrong_result("; ".join(problems), source=source, region=region, structure=structure,
                                             order=self.order, fallback=self.fallback, replaced=self.replaced,
                                             on_fallback=lambda message: None)  # reported as a failed compile
                 for m in self.gm.children():  # the region and its twins
                     if isinstance(m, CompiledRegion) and m.fn is fn:
                         m.fn, m.region.executor, m.region.fallback_reason = new, region.executor, region.fallback_reason
-                fn, failed = new, True
+                fn, failed, race = new, True, None
             region.compile_seconds += time.perf_counter() - start
-            self._keep(fn, source, region, key, failed)
+            if race is None:
+                self._keep(fn, source, region, key, failed)
         self.unfinished.clear()
 
     def _keep(self, fn, source, region: Region, key: Optional[str], failed: bool) -> None:
@@ -196,16 +205,11 @@ class _RegionBuilder:
             if fn is not None:
                 self.loaded.add(region.id)
         if fn is None:
-            raced = self.autotune is not None  # a race times finished code: nothing left running
             fn, failed = _compile_with_fallback(source, region, self.by_name[ex_name], self.order, self.fallback,
-                                                finish=raced)
-            race = self._race(fn, source, region, None if failed else key) if raced else None
-            if race is not None:
-                fn = race  # stored once its first call has chosen
-            elif raced:
-                self._keep(fn, source, region, key, failed)
-            else:
-                self.unfinished.append((fn, source, region, structure, key, failed))
+                                                finish=False)
+            race = self._race(fn, source, region, None if failed else key) if self.autotune else None
+            fn = race or fn  # a race is stored once its first call has chosen
+            self.unfinished.append((fn, source, region, structure, key, failed))
         island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
         if island:
             region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
@@ -223,9 +227,7 @@ class _RegionBuilder:
         candidates = [(self.by_name[region.executor], fn)]
         for ex in others:
             try:
-                candidate = _compile_isolated(ex, source, example_inputs)
-                ex.finish_region(candidate)
-                candidates.append((ex, candidate))
+                candidates.append((ex, _compile_isolated(ex, source, example_inputs)))
             except Exception as e:  # declined or failed: not a candidate (the region runs as listed)
                 log.info("region %d: autotune: %s did not compile it (%s: %s)", region.id, ex.name,
                          type(e).__name__, str(e).strip()[:200])

@@ -207,3 +207,31 @@ def test_random_regions_draw_the_same_numbers_as_without_autotune():
 def test_autotune_must_be_a_bool(bad):
     with pytest.raises(TypeError, match="autotune must be True or False"):
         pipeline.jit(nn.Linear(2, 2), autotune=bad)
+
+
+class FailsToFinish(Slow):
+    """A `Slow` whose compiles leave work running that fails when waited for (`finish_region`), as an
+    Inductor kernel that does not compile would."""
+
+    def finish_region(self, fn):
+        raise RuntimeError("a kernel did not compile")
+
+
+@pytest.mark.allow_fallback
+def test_a_candidate_whose_compile_fails_when_finished_leaves_the_race():
+    """Candidates are finished with the stage's other regions, before the first call measures them:
+    one that fails there is not raced (the reason is in the region's table row); a region whose
+    candidates all fail runs on the next executor, as after any failed compile."""
+    model, x = TwoParts(), torch.randn(4, 8)
+    failing, working = FailsToFinish("failing", set()), Slow("working", set())
+    cm = pipeline.jit(model, executors=[failing, working], autotune=True)
+    with pytest.warns(Warning, match="runs on working: failing failed to compile"), torch.no_grad():
+        torch.testing.assert_close(cm(x), model(x), rtol=0, atol=0)
+    raced = [r for r in pipeline.regions(cm) if r.executor != "torch"]
+    assert raced and all(r.executor == "working" and set(r.race) == {"working"} for r in raced)
+    assert all("failing failed to compile: RuntimeError: a kernel did not compile" in r.fallback_reason for r in raced)
+    torch._dynamo.reset()
+    cm = pipeline.jit(model, executors=[failing, FailsToFinish("also_failing", set())], autotune=True)
+    with pytest.warns(Warning, match="also_failing failed to compile"), torch.no_grad():
+        torch.testing.assert_close(cm(x), model(x), rtol=0, atol=0)
+    assert {r.executor for r in pipeline.regions(cm)} == {"torch"}
