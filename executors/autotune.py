@@ -42,6 +42,7 @@ class Race:
         self.donated = donated_inputs(gm)
         self.decided, self.problem = decided, problem  # problem(out): what is wrong with a result, or None
         self.chosen: Optional[Callable] = None
+        self.key: Optional[str] = None  # the artifact-cache key its choice is stored under (set by dispatch)
 
     def __call__(self, *args):
         return self.boxed(list(args))

@@ -1,5 +1,4 @@
-"""`CompiledRegion`: one region of an execution trace as it runs, its executor's compiled code behind
-the checks of its first call.
+"""`CompiledRegion`: one region of an execution trace as it runs, its executor's code behind its first call's checks.
 """
 
 from typing import Callable, Optional
@@ -13,10 +12,10 @@ from .result_check import ResultCheck
 
 
 class CompiledRegion(torch.nn.Module):
-    """One region as it runs: the executor's compiled callable. Its first call is checked
-    (`result_check.py`; `PIPELINE_DEBUG=1`: every call): a wrong result is replaced by that of the next
-    executor claiming the region (`replace`), which then runs it. While `profiling` is set
-    (`pipeline.profile`), each call is a named range (`region3:inductor`) in the profiler's trace."""
+    """One region as it runs: the executor's compiled callable. Its first call is checked (`result_check.py`;
+    `PIPELINE_DEBUG=1`: every call): a wrong result is replaced by that of the next executor claiming the region
+    (`replace`), which then runs it. While `profiling` is set (`pipeline.profile`), each call is a named range
+    (`region3:inductor`) in the profiler's trace."""
 
     profiling = False
 
@@ -60,9 +59,8 @@ class CompiledRegion(torch.nn.Module):
         return self.fn(*args)
 
     def call_boxed(self, args: list):
-        """Runs the region on an argument list that it empties. When the executor's callable has a
-        boxed entry (`fn.boxed(list)`, as Inductor's has), nothing else holds the inputs while the
-        region runs, so each is freed after its last use inside the region."""
+        """Runs the region on an argument list that it empties. When the executor's callable has a boxed entry
+        (`fn.boxed(list)`, as Inductor's has), nothing else holds the inputs, so each is freed after its last use."""
         run = getattr(self.fn, "boxed", None)
         if run is None:
             held = tuple(args)

@@ -12,7 +12,6 @@ import pickle
 import shutil
 import stat
 import sys
-import threading
 import types
 from typing import Sequence
 
@@ -24,6 +23,7 @@ from .base import Cacheable, PerModel, PreparesGraph, RegionDeclined
 from .graph_utils import (computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,
                           meta_strides_unreliable, op_name, promised_strides)
 from .decompose import NotDecomposable, decompose_graph
+from .inductor_kernels import kernels_awaited_later, wait_for_kernels
 
 
 class InductorExecutor(Cacheable, PerModel, PreparesGraph):
@@ -88,9 +88,9 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         # no CUDA graphs of its own (`cuda_graphs=True` records whole stages, regions inside them).
         with config.patch({"fallback_random": self.fallback_random, "layout_optimization": False,
                            "triton.cudagraphs": False}), \
-                _donating(decomposed, donated), _kernel_dir(_own_dir()), _kernels_awaited_later() as scopes:
+                _donating(decomposed, donated), _kernel_dir(own := _own_dir()), kernels_awaited_later() as pending:
             compiled = compile_fx_inner(decomposed, list(example_inputs), is_backward=bool(donated))
-        return InductorRegion(compiled, gm, scopes)
+        return InductorRegion(compiled, gm, pending, own)
 
     def finish_region(self, fn: "InductorRegion") -> None:
         fn.wait_for_kernels()
@@ -157,55 +157,19 @@ def _register_triton_kernels(compiled) -> None:
         TritonBundler.read_and_emit(bundle)
 
 
-@contextlib.contextmanager
-def _kernels_awaited_later():
-    """Inductor's generated module, as it loads, waits for its kernels to compile in Inductor's worker
-    processes (`async_compile.wait(globals())`). Inside this context (this thread only) it leaves them
-    compiling and its scope is collected: the next regions' code generation overlaps those compiles
-    (one region at a time, each waiting, left the 16 workers mostly idle: docs/performance.md)."""
-    from torch._inductor.async_compile import AsyncCompile
-    scopes: list[dict] = []
-    real, thread = AsyncCompile.wait, threading.get_ident()
-
-    def collect(self, scope):
-        return scopes.append(scope) if threading.get_ident() == thread else real(self, scope)
-    collect.real = real
-    AsyncCompile.wait = collect
-    try:
-        yield scopes
-    finally:
-        AsyncCompile.wait = real
-
-
 class InductorRegion:
-    """A compiled region: Inductor's `CompiledFxGraph`, with outputs copied into the strides the
-    region's trace promised where Inductor chose other ones. Its kernels may still be compiling until
-    `wait_for_kernels` (`InductorExecutor.finish_region`, or its first call)."""
+    """A compiled region: Inductor's `CompiledFxGraph`, with outputs copied into the strides the region's trace
+    promised where Inductor chose other ones. Its kernels compile until `finish_region` (or its first call)."""
 
-    def __init__(self, compiled, gm: fx.GraphModule, scopes=()):
-        self.compiled = compiled
-        self.pending = list(scopes)  # generated modules whose kernels may still be compiling
+    def __init__(self, compiled, gm: fx.GraphModule, pending=(), kernel_dir=None):
+        self.compiled, self.kernel_dir = compiled, kernel_dir  # the cache dir its kernels compiled under
+        self.pending = list(pending)  # (AsyncCompile, module scope) whose kernels may still be compiling
         self.restride = _mismatched_strides(gm, _static_strides(getattr(compiled, "output_strides", None)))
 
     def wait_for_kernels(self) -> None:
-        """Waits for the region's kernels, bundling those that finish as Inductor does when it waits
-        itself (`TritonBundler`), for the artifact cache."""
-        from torch._inductor.async_compile import AsyncCompile
-        from torch._inductor.triton_bundler import TritonBundler
-        if not self.pending:
-            return
-        TritonBundler.begin_compile()
-        try:
-            for scope in self.pending:  # a kernel that failed to compile raises here, and again if called again
-                getattr(AsyncCompile.wait, "real", AsyncCompile.wait)(AsyncCompile(), scope)
-            self.pending = []
-            bundle, _ = TritonBundler.collect()
-            if (before := getattr(self.compiled, "_triton_bundle", None)) is not None:  # those done in compile
-                bundle = type(bundle)(before.kernel_artifacts + bundle.kernel_artifacts,
-                                      before.static_autotuners + bundle.static_autotuners)
-            self.compiled.set_triton_bundle(bundle)
-        finally:
-            TritonBundler.end_compile()
+        if self.pending:
+            with _kernel_dir(self.kernel_dir):  # where the bundler finds the kernels: where they compiled
+                wait_for_kernels(self.compiled, self.pending)
 
     def __call__(self, *args):
         return self.boxed(list(args))
@@ -219,10 +183,9 @@ class InductorRegion:
 
 @contextlib.contextmanager
 def _donating(gm: fx.GraphModule, donated: list[int]):
-    """Lets Inductor reuse the memory of the region's donated inputs (`donation.mark_donated_inputs`)
-    for its own buffers, as in torch.compile's backward (it reads their indices from the tracing
-    context's `fw_metadata`). The donated placeholders are renamed, so Inductor's FX graph cache tells
-    the region from an identical one with other inputs donated."""
+    """Lets Inductor reuse the memory of the region's donated inputs (`donation.mark_donated_inputs`) for its own
+    buffers, as in torch.compile's backward (it reads their indices from the tracing context's `fw_metadata`). The
+    donated placeholders are renamed, so Inductor's FX graph cache tells the region from one with others donated."""
     if not donated:
         yield
         return
@@ -248,9 +211,8 @@ def _is_static(t: torch.Tensor) -> bool:
 
 
 def _kernel_libraries(compiled) -> set[str]:
-    """Paths of the shared libraries the compiled graph's C++ kernels were loaded from, and, when
-    there are any, of Inductor's vector-ISA probe (built once per cache dir). A graph of Triton
-    kernels has none: no probe then (finding it compiles probe programs, ~30 s a process)."""
+    """Paths of the shared libraries the compiled graph's C++ kernels were loaded from, and, when there are any,
+    of Inductor's vector-ISA probe (built once per cache dir; finding it compiles probe programs, ~30 s)."""
     module = sys.modules.get(getattr(compiled.current_callable, "__module__", None) or "")
     paths = set()
     for value in vars(module).values() if module is not None else ():
@@ -321,9 +283,8 @@ def _put_verified(root: str, rel: str, content: bytes) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _portable_config_hash(config_hash: bytes) -> str:
-    """A hash of Inductor's config as its FX graph cache keys it (`save_config_portable`: without the
-    values that describe the process, such as compile_threads, which `config.get_hash()` includes).
-    Memoized on that hash, which changes with any option."""
+    """A hash of Inductor's config as its FX graph cache keys it (`save_config_portable`: without values describing
+    the process, such as compile_threads, which `config.get_hash()` includes), memoized on that hash."""
     from torch._inductor import config
     values = config.save_config_portable(ignore_private_configs=False)
     text = "\n".join(f"{k}={_stable_text(v)}" for k, v in sorted(values.items()))
@@ -331,9 +292,8 @@ def _portable_config_hash(config_hash: bytes) -> str:
 
 
 def _stable_text(value) -> str:
-    """`value` as the same text in every process: sets sorted, functions by name, custom passes by
-    their `uuid()`. An object whose text is its address gets a text unique to this process (its
-    regions are then never loaded in another one)."""
+    """`value` as the same text in every process: sets sorted, functions by name, custom passes by their `uuid()`.
+    An object whose text is its address gets a text unique to this process (never loaded in another one)."""
     if isinstance(value, (set, frozenset)):
         return "{" + ", ".join(sorted(_stable_text(v) for v in value)) + "}"
     if isinstance(value, (list, tuple)):
@@ -350,11 +310,9 @@ def _stable_text(value) -> str:
 
 @functools.cache
 def _machine() -> str:
-    """What generated kernels are specific to: the GPU, the CUDA/HIP and Triton versions (as
-    Inductor's `CacheBase.get_system` keys them), and the CPU's architecture and instruction-set
-    flags (what Inductor's vector ISA is picked from). Read cheaply: `get_system` hashes Triton's
-    source tree and `pick_vec_isa` compiles probe programs, seconds each in every fresh process,
-    before the cache could save anything."""
+    """What generated kernels are specific to: the GPU, the CUDA/HIP and Triton versions (as Inductor's
+    `CacheBase.get_system` keys them), and the CPU's architecture and instruction-set flags (what its vector ISA is
+    picked from). Read cheaply: `get_system` and `pick_vec_isa` take seconds in every fresh process."""
     import importlib.metadata
     import platform
     parts = [platform.machine(), f"cuda {torch.version.cuda}", f"hip {torch.version.hip}",

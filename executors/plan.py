@@ -1,9 +1,9 @@
 """Dispatch: turns an ATen trace into an execution trace whose ops are compiled regions.
 
-`dispatch(trace, executors)` assigns ops (lazy decomposition included), partitions them into
-regions, compiles each region with its executor — falling back to the next listed executor that
-claims the whole region, then to `torch`, when compilation fails — and returns an `Execution`: the
-execution trace (one `call_module` per region, printable and runnable) plus a `Region` per region.
+`dispatch(trace, executors)` assigns ops (lazy decomposition included), partitions them into regions, compiles
+each region with its executor — falling back to the next listed executor that claims the whole region, then to
+`torch`, when compilation fails — and returns an `Execution`: the execution trace (one `call_module` per region,
+printable and runnable) plus a `Region` per region.
 """
 
 import contextlib
@@ -38,9 +38,9 @@ log = get_logger("dispatch")
 
 @dataclasses.dataclass
 class RegionArtifact:
-    """What the compiled-artifact cache keeps of one compiled region: which executor compiled it
-    (after any fallbacks, and why), that executor's bytes to rebuild it (`Executor.load_region`), and
-    the `structure_key` of the region graph it was compiled from: it is loaded only for that graph."""
+    """What the compiled-artifact cache keeps of one compiled region: which executor compiled it (after any
+    fallbacks, and why), that executor's bytes to rebuild it (`Executor.load_region`), and the `structure_key`
+    of the region graph it was compiled from: it is loaded only for that graph."""
     executor: str
     data: bytes
     fallback_reason: Optional[str] = None
@@ -66,13 +66,12 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     """Assigns, partitions and compiles `trace`; see the module docstring.
 
     `artifacts` (region key -> `RegionArtifact`): the compiled-artifact cache, loaded from and filled.
-    `donated`: indices of the trace's inputs nothing reads after this stage (AOTAutograd's
-    `bw_donated_idxs`: saved activations in a backward), marked by `mark_donated_inputs`.
+    `donated`: indices of the trace's inputs nothing reads after this stage (AOTAutograd's `bw_donated_idxs`:
+    saved activations in a backward), marked by `mark_donated_inputs`.
     `on_fallback(message)`: told when a region's wrong first result moves it to the next executor.
-    `autotune(seconds)`, when given, races regions more than one of `executors` takes (autotune.py);
-    it is told what measuring took once a choice is in `artifacts`.
-    `partitioned`: `trace`'s module is an execution trace's before its regions were built (`unbuilt`:
-    a warm start, `pipeline/warm_start.py`); this was its assignment."""
+    `autotune(seconds)`, when given, races regions more than one of `executors` takes (autotune.py); it is told
+    what measuring took once a choice is in `artifacts`. `partitioned`: `trace`'s module is an execution trace's
+    before its regions were built (`unbuilt`: a warm start, `pipeline/warm_start.py`); this was its assignment."""
     gm = trace.editable() if partitioned is None else trace.module
     steps: list[Step] = []
 
@@ -157,12 +156,11 @@ class _RegionBuilder:
         return regions
 
     def _finish_all(self) -> None:
-        """Waits for what the compiles left running (Inductor's kernels, built by its workers while the
-        next regions compiled), then stores each region (a race's choice is stored once made). A
-        candidate whose wait fails leaves its race; a region left with none goes, loudly, to the next
-        executor claiming it, as one whose result is wrong does (`_replace_wrong_result`)."""
+        """Waits for what the compiles left running (Inductor's kernels, built while the next regions compiled),
+        then stores each region (a race's choice once made). A candidate whose wait fails leaves its race; a region
+        left with none goes, loudly, to the next executor claiming it, as a wrong result does."""
         for fn, source, region, structure, key, failed in self.unfinished:
-            start, race, problems = time.perf_counter(), fn if isinstance(fn, Race) else None, []
+            start, race, problems = time.perf_counter() - region.compile_seconds, fn if isinstance(fn, Race) else None, []
             for name, candidate in list(race.candidates.items()) if race else [(region.executor, fn)]:
                 try:
                     self.by_name[name].finish_region(candidate)
@@ -171,8 +169,10 @@ class _RegionBuilder:
                     if race:
                         race.candidates.pop(name)
             if problems and race and race.candidates:  # until the race chooses, the first left runs it
-                region.executor = next(iter(race.candidates))
-                region.fallback_reason = "; ".join(filter(None, [region.fallback_reason, *problems]))
+                race.key, failed = None, True
+                for r in race.regions:
+                    r.executor = next(iter(race.candidates))
+                    r.fallback_reason = "; ".join(filter(None, [r.fallback_reason, *problems]))
             elif problems:
                 new = _replace_wrong_result("; ".join(problems), source=source, region=region, structure=structure,
                                             order=self.order, fallback=self.fallback, replaced=self.replaced,
@@ -181,18 +181,12 @@ class _RegionBuilder:
                     if isinstance(m, CompiledRegion) and m.fn is fn:
                         m.fn, m.region.executor, m.region.fallback_reason = new, region.executor, region.fallback_reason
                 fn, failed, race = new, True, None
-            region.compile_seconds += time.perf_counter() - start
-            if race is None:
-                self._keep(fn, source, region, key, failed)
+            region.compile_seconds = time.perf_counter() - start  # the compile, the wait, any replacement
+            if key is not None and failed:  # it may compile next time (memory, a worker): not stored
+                self.uncached.append(f"region {region.id} not cached: an executor failed to compile it")
+            elif key is not None and race is None:
+                _store(self.artifacts, key, fn, source, region, self.by_name[region.executor], self.uncached)
         self.unfinished.clear()
-
-    def _keep(self, fn, source, region: Region, key: Optional[str], failed: bool) -> None:
-        """Stores a compiled region in the artifact cache, unless a compile failed on the way (it may
-        succeed next time: memory, a worker)."""
-        if key is not None and not failed:
-            _store(self.artifacts, key, fn, source, region, self.by_name[region.executor], self.uncached)
-        elif key is not None:
-            self.uncached.append(f"region {region.id} not cached: an executor failed to compile it")
 
     def _load_or_compile(self, source, region, ex_name, structure, why_no_key) -> Callable:
         artifacts, fn, key = self.artifacts, None, None
@@ -236,11 +230,12 @@ class _RegionBuilder:
             return None
 
         def decided(name: str, times: dict, seconds: float) -> None:
-            if key is not None and times:  # a choice made without measuring (in a capture) is not kept
-                self.artifacts.pop(key, None)
-                _store(self.artifacts, key, race.chosen, source, region, self.by_name[name], self.uncached)
+            if race.key is not None and times:  # a choice made without measuring (in a capture) is not kept
+                self.artifacts.pop(race.key, None)
+                _store(self.artifacts, race.key, race.chosen, source, region, self.by_name[name], self.uncached)
             self.autotune(seconds)
         race = Race(candidates, region, source, decided, ResultCheck(source, region, None).problem)
+        race.key = key
         return race
 
 
@@ -260,6 +255,7 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
     try:
         with _isolated(example_inputs):
             fn = _code_made(by_name[artifact.executor].load_region(artifact.data, source, example_inputs))
+            by_name[artifact.executor].finish_region(fn)
     except Exception as e:  # a stale or foreign artifact: compile the region instead
         notes.append(f"region {region.id}: cached {artifact.executor} artifact did not load "
                      f"({type(e).__name__}: {str(e).strip()[:200]}); compiled")

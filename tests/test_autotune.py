@@ -230,6 +230,8 @@ def test_a_candidate_whose_compile_fails_when_finished_leaves_the_race():
     raced = [r for r in pipeline.regions(cm) if r.executor != "torch"]
     assert raced and all(r.executor == "working" and set(r.race) == {"working"} for r in raced)
     assert all("failing failed to compile: RuntimeError: a kernel did not compile" in r.fallback_reason for r in raced)
+    notes = [n for _, n in pipeline.compile_stats(cm).cache_notes]  # the choice is not stored: next time, all race
+    assert any("not cached: an executor failed to compile it" in n for n in notes), notes
     torch._dynamo.reset()
     cm = pipeline.jit(model, executors=[failing, FailsToFinish("also_failing", set())], autotune=True)
     with pytest.warns(Warning, match="also_failing failed to compile"), torch.no_grad():

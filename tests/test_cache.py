@@ -118,6 +118,14 @@ WARM = textwrap.dedent("""
     from conftest import MLP
     torch.manual_seed(0)
     model, x = MLP().to(sys.argv[1]), torch.randn(4, 16, device=sys.argv[1])
+    from executors.inductor_executor import InductorExecutor
+    stored, save = [], InductorExecutor.save_region
+    def recording_save(self, fn):  # how many Triton kernels each stored region bundles
+        data = save(self, fn)
+        bundle = getattr(fn.compiled, "_triton_bundle", None)
+        stored.append(len(bundle.kernel_artifacts) if bundle is not None else 0)
+        return data
+    InductorExecutor.save_region = recording_save
     cm = pipeline.jit(model, executors=["inductor"])
     out = cm(x)
     out.sum().backward()
@@ -125,6 +133,7 @@ WARM = textwrap.dedent("""
     from torch._dynamo.utils import counters
     print(json.dumps({"cache": stats.cache, "notes": stats.cache_notes,
                       "bundled_kernels": counters["inductor"]["triton_bundler_load_static_autotuner"],
+                      "stored_triton_kernels": sum(stored),
                       "compiled": [k for k in stats.seconds if k.startswith("compile:")],
                       "values": [t.detach().cpu().flatten().tolist() for t in [out, *(p.grad for p in model.parameters())]]}))
 """)
@@ -148,6 +157,7 @@ def test_inductor_warm_process_with_empty_inductor_cache_is_bit_identical(tmp_pa
     assert warm["values"] == cold["values"]  # float lists: equal means bit-identical (no NaNs here)
     if device == "cuda":  # Triton kernels launched from the artifact's bundle, not compiled from source
         assert warm["bundled_kernels"] > 0 and cold["bundled_kernels"] == 0, (warm, cold)
+        assert cold["stored_triton_kernels"] > 0, cold  # bundled as the region waited, from where they compiled
 
 
 def test_cache_off_by_option_or_env(mlp, monkeypatch):
@@ -340,6 +350,7 @@ def test_a_region_whose_background_compile_fails_falls_back_and_is_not_stored():
     assert [r.executor for r in regions] == ["torch"] * 4 and regions[2].compiled_as == 0  # the twin too
     assert "pending failed to compile" in regions[2].fallback_reason
     assert not failing.stored and len(failing.received) == 1
+    assert regions[0].compile_seconds > 0 and pipeline.compile_stats(cf).seconds["dispatch"] >= 0
     torch._dynamo.reset()
     working = Pending(fail=False)
     cf = pipeline.jit(two_layers, executors=[working])

@@ -64,7 +64,7 @@ def test_regions_compile_while_the_kernels_of_earlier_ones_build(mlp, monkeypatc
     left_compiling, finish = [], InductorExecutor.finish_region
 
     def counting_finish(self, fn):
-        left_compiling.append(sum(isinstance(v, (Future, CodeCacheFuture)) for scope in fn.pending
+        left_compiling.append(sum(isinstance(v, (Future, CodeCacheFuture)) for _, scope in fn.pending
                                   for v in scope.values()))
         finish(self, fn)
         assert not fn.pending
@@ -75,3 +75,35 @@ def test_regions_compile_while_the_kernels_of_earlier_ones_build(mlp, monkeypatc
     assert {(r.stage, r.executor) for r in pipeline.regions(cm)} == {("forward", "inductor"),
                                                                       ("backward", "inductor")}
     assert len(left_compiling) == 2 and all(n > 0 for n in left_compiling), left_compiling
+
+
+def test_waits_put_off_only_in_this_thread_and_restored_after_a_failed_compile():
+    """`kernels_awaited_later` collects the waits of this thread only (another thread's module still
+    waits), restores Inductor's own wait when the compile raises, lets a second thread's compile in
+    only after the first is done, and stays off where Inductor runs modules while compiling."""
+    import threading
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+    from executors.inductor_kernels import kernels_awaited_later
+
+    original, other_collected, trying = AsyncCompile.wait, [], threading.Event()
+
+    def other_thread():
+        AsyncCompile.wait(AsyncCompile(), {})  # Inductor's own wait: nothing to wait for
+        trying.set()
+        with kernels_awaited_later() as pending:  # blocks until the first thread's compile is done
+            AsyncCompile.wait(AsyncCompile(), {"k": 2})
+            other_collected.extend(pending)
+    with pytest.raises(RuntimeError, match="compile failed"):
+        with kernels_awaited_later() as pending:
+            AsyncCompile.wait(AsyncCompile(), {"k": 1})
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            assert trying.wait(10)
+            assert [scope for _, scope in pending] == [{"k": 1}]
+            raise RuntimeError("compile failed")
+    thread.join(10)
+    assert [scope for _, scope in other_collected] == [{"k": 2}]
+    assert AsyncCompile.wait is original
+    with config.patch(max_autotune=True), kernels_awaited_later():
+        assert AsyncCompile.wait is original
