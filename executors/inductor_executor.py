@@ -118,7 +118,6 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         """Inductor's compiled graph as its own FX graph cache stores it, plus the shared libraries of
         its C++ kernels by their path under its cache dir, where loading finds them (no C++ compile)."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir
-        fn.wait_for_kernels()
         stored = copy.copy(fn.compiled)
         stored.prepare_for_serialization()
         with _kernel_dir(_own_dir()):
