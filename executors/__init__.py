@@ -1,8 +1,7 @@
 """Executors: the `Executor` protocol, the dispatcher, and the executors themselves.
 
 `from executors import te, nvfuser, inductor, torch` gives executor objects (the modules implementing them are
-named `*_executor`, so importing a submodule never shadows these names).
-"""
+named `*_executor`, so importing a submodule never shadows these names)."""
 from .base import Executor, RegionDeclined
 from .torch_executor import torch_executor as torch
 from .inductor_executor import inductor_executor as inductor

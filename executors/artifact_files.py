@@ -1,5 +1,6 @@
 """Where executors keep the files a cached artifact loads (Inductor's kernels); set by the pipeline's cache."""
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -20,10 +21,8 @@ def artifact_files_dir(name: str) -> str | None:
     if not _artifact_files_root:
         return None
     path = os.path.join(_artifact_files_root[0], name)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise PermissionError(f"{path} is not a directory only you can write; remove it")

@@ -3,8 +3,7 @@
 A region more than one listed executor can take whole is compiled by each (`Race`); at its first
 call each candidate runs on that call's inputs (a warm-up, then the median of `RUNS`; on a GPU, of
 the GPU's time only: launches wait behind a GPU sleep, as CUDA graphs replay them) and the fastest
-runs it; one listed earlier wins a tie within noise. Measuring changes nothing the step computes.
-"""
+runs it; one listed earlier wins a tie within noise. Measuring changes nothing the step computes."""
 
 import statistics
 import time

@@ -1,9 +1,9 @@
 """The `Executor` protocol: what an executor claims (`claims_table` or `claims_op`) and how it compiles a
 region (`compile_region`); the optional hooks, grouped by capability (`Cacheable`, `PerModel`,
-`PreparesGraph`), keep neutral defaults in `Executor`. The guide: docs/executors.md, "Writing an executor".
-"""
+`PreparesGraph`), keep neutral defaults in `Executor`. The guide: docs/executors.md, "Writing an executor"."""
 
 import functools
+import importlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -162,7 +162,6 @@ class PreparesGraph(Executor):
 @functools.cache
 def library_version(module: str) -> str:
     """`module`'s version and the GPU's compute capability, for an executor's `cache_token`."""
-    import importlib
     try:
         version = getattr(importlib.import_module(module), "__version__", "unknown")
     except Exception:
@@ -174,12 +173,9 @@ def library_version(module: str) -> str:
 def cuda_library_missing(what: str, modules: Sequence[str], install: str) -> str | None:
     """None when every module imports and a CUDA GPU is present; otherwise why not (an executor's
     `unavailable_reason` for a CUDA-only library)."""
-    import importlib
     for module in modules:
         try:
             importlib.import_module(module)
         except Exception as e:
             return f"{module} does not import ({type(e).__name__}: {str(e)[:200]}); {install}"
-    if not torch.cuda.is_available():
-        return f"{what} needs a CUDA GPU"
-    return None
+    return None if torch.cuda.is_available() else f"{what} needs a CUDA GPU"

@@ -1,6 +1,5 @@
 """`ClaimTable`: which ops an executor claims, as a table `{op: checker | None}` (JAX's rule tables,
-Thunder's `op -> checker`; docs/executors.md, "Writing an executor").
-"""
+Thunder's `op -> checker`; docs/executors.md, "Writing an executor")."""
 
 from typing import Callable, Iterator, Optional
 

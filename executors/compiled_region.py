@@ -1,5 +1,4 @@
-"""`CompiledRegion`: one region of an execution trace as it runs, its executor's code behind its first call's checks.
-"""
+"""`CompiledRegion`: a region of an execution trace as it runs, its executor's code behind its first call's checks."""
 
 from typing import Callable, Optional
 

@@ -1,8 +1,7 @@
 """Decomposition node by node: an op is broken into simpler ops where it stands, the rest of the graph
 untouched. `decompose_node` traces the op's decomposition on the node's fake inputs with `make_fx`, for
 the dispatcher to splice in; `decompose_graph` does it for every op a decomposition table covers
-(Inductor's regions: docs/executors.md, "inductor").
-"""
+(Inductor's regions: docs/executors.md, "inductor")."""
 
 import contextlib
 import copy

@@ -39,9 +39,8 @@ _VIEW_LIKE = (torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default
 
 def computes_nothing(target) -> bool:
     """Views, tuple elements and shape arithmetic: ops that cost nothing wherever they run."""
-    if target is operator.getitem or is_symbolic_glue(target):
-        return True
-    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _VIEW_LIKE)
+    return target is operator.getitem or is_symbolic_glue(target) or (
+        isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _VIEW_LIKE))
 
 
 def op_name(target) -> str:

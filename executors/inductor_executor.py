@@ -1,6 +1,5 @@
 """The `inductor` executor (docs/executors.md, "inductor"): regions, already functional ATen graphs, go
-straight to `compile_fx_inner`, the entry Inductor itself uses after AOTAutograd.
-"""
+straight to `compile_fx_inner`, the entry Inductor itself uses after AOTAutograd."""
 
 import contextlib
 import copy
@@ -41,11 +40,9 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
     def for_model(self) -> "InductorExecutor":
         """Starts Inductor's parallel compile workers now, as torch.compile's backend does on entry:
         they take seconds to start, and kernels compile serially in this process until they are up."""
-        try:
+        with contextlib.suppress(Exception):  # an optimisation only: without workers, kernels compile in-process
             from torch._inductor.async_compile import maybe_warm_pool
             maybe_warm_pool()
-        except Exception:  # an optimisation only: without workers, kernels compile in-process
-            pass
         return self
 
     def unavailable_reason(self) -> str | None:
@@ -193,9 +190,7 @@ def _donating(gm: fx.GraphModule, donated: list[int]):
     for i in donated:
         placeholders[i].name = placeholders[i].target = f"donated{i}"
     gm.recompile()
-    ctx = TracingContext.try_get()
-    scope = contextlib.nullcontext() if ctx is not None else tracing(TracingContext(None))
-    with scope:
+    with contextlib.nullcontext() if TracingContext.try_get() is not None else tracing(TracingContext(None)):
         ctx = TracingContext.get()
         saved = ctx.fw_metadata
         ctx.fw_metadata = types.SimpleNamespace(bw_donated_idxs=list(donated), static_input_indices=[])
@@ -269,13 +264,11 @@ def _put_verified(root: str, rel: str, content: bytes) -> None:
     if not path.startswith(root + os.sep):
         raise ValueError(f"artifact file {rel!r} lies outside the kernel directory")
     want = hashlib.sha256(content).hexdigest()
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
             if stat.S_ISREG(os.fstat(f.fileno()).st_mode) and hashlib.sha256(f.read()).hexdigest() == want:
                 return
-    except OSError:
-        pass
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     write_file(path, content, 0o700 if path.endswith(".so") else 0o600)
 
@@ -317,10 +310,8 @@ def _machine() -> str:
     parts = [platform.machine(), f"cuda {torch.version.cuda}", f"hip {torch.version.hip}",
              f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')}"]
     for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             parts.append(f"{dist} {importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
     if torch.cuda.is_available():
         parts += [f"{torch.cuda.get_device_name(i)} {torch.cuda.get_device_capability(i)}"
                   for i in range(torch.cuda.device_count())]
@@ -361,15 +352,13 @@ def _nothing_to_fuse(gm: fx.GraphModule) -> str | None:
 
 def _static_strides(strides):
     """Inductor's output strides (printed expressions) as ints; None where one is symbolic."""
-    if not strides:
-        return None
-    out = []
-    for stride in strides:
-        try:
-            out.append(None if stride is None else tuple(int(s) for s in stride))
-        except (TypeError, ValueError):
-            out.append(None)
-    return out
+    return [_static_stride(stride) for stride in strides] if strides else None
+
+
+def _static_stride(stride) -> tuple[int, ...] | None:
+    with contextlib.suppress(TypeError, ValueError):
+        return None if stride is None else tuple(int(s) for s in stride)
+    return None
 
 
 def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple[int, ...]]]:

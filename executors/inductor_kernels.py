@@ -1,7 +1,6 @@
 """Inductor's kernels compiled in the background while the next regions are compiled. Its generated module waits
 for its kernels (compiling in Inductor's workers) as it loads (`async_compile.wait(globals())`): region after region,
-each waiting, left the workers mostly idle. Here the waiting is put off until the stage's regions all compiled.
-"""
+each waiting, left the workers mostly idle. Here the waiting is put off until the stage's regions all compiled."""
 
 import contextlib
 import threading

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from ir import node_value
 
+from . import nvfuser_kernel_store as kernel_store
 from .base import RebuiltFromGraph, RegionDeclined, cuda_library_missing, library_version
 from .graph_utils import computes_nothing, keep_promised_strides, promised_strides
 from .nvfuser_ops import CLAIMS, NO_NVFUSER_DTYPES, define_fusion as _define
@@ -55,7 +56,8 @@ class NvFuserExecutor(RebuiltFromGraph):
             trial = [_zeros_like(v) for v in example_inputs]
             if all(t is not None for t in trial):
                 runner.fusions[_key(trial)] = fd = _build(gm, trial)
-                fd.execute(trial)
+                with kernel_store.compiling() as options:
+                    fd.execute(trial, **options)
         return runner
 
 
@@ -72,7 +74,8 @@ class _FusionRunner:
         if (fd := self.fusions.get(key)) is None:
             try:
                 fd = _build(self.gm, args)
-                outs = fd.execute(list(args))
+                with kernel_store.compiling() as options:
+                    outs = fd.execute(list(args), **options)
             except Exception as e:  # a new input signature nvFuser cannot take: run this one on torch
                 warnings.warn(f"nvfuser: region falls back to torch for inputs {key}: {type(e).__name__}: "
                               f"{str(e).strip().splitlines()[0][:200]}")
@@ -90,7 +93,7 @@ class _EagerFusion:
     def __init__(self, gm):
         self.gm = gm
 
-    def execute(self, args):
+    def execute(self, args, **_options):  # nvFuser's compile options mean nothing here
         return list(self.gm(*args))
 
 

@@ -1,8 +1,7 @@
 """How the `nvfuser` executor writes a region as a `FusionDefinition` (docs/executors.md, "nvfuser"):
 `OPS` maps an ATen overload to a translation `fn(fd, node, *args, **kwargs) -> Val` and `CLAIMS` holds the
 same ops with their checkers, both filled by `@_op(*overloads, checker=...)`. Every result is cast back
-to the dtype the trace promises (nvFuser computes half types in fp32).
-"""
+to the dtype the trace promises (nvFuser computes half types in fp32)."""
 
 import math
 import operator
@@ -166,9 +165,7 @@ def _pow_scalar(fd, node, x, exponent):
     return special(fd, x)
 
 
-@_op(aten.where.self)
-def _where(fd, node, cond, a, b):
-    return fd.ops.where(cond, a, b)
+_op(aten.where.self)(lambda fd, node, cond, a, b: fd.ops.where(cond, a, b))
 
 
 @_op(aten.clamp.default)

@@ -5,8 +5,7 @@ executor's ops are grouped by *barrier depth* — how many ops of other executor
 still lie, on the longest path, between the op and the graph's outputs. Along any edge the depth never
 grows and it drops at each foreign op, so no path leaves a group and comes back: every group is a
 valid region, and the regions form no cycle. An op joins the group of its earliest consumer, except
-work that only feeds the outputs (`_outputs_as_early_as_possible`; docs/design.md, "Dispatch").
-"""
+work that only feeds the outputs (`_outputs_as_early_as_possible`; docs/design.md, "Dispatch")."""
 
 import math
 import operator

@@ -3,8 +3,7 @@
 `dispatch(trace, executors)` assigns ops (lazy decomposition included), partitions them into regions, compiles
 each region with its executor — falling back to the next listed executor that claims the whole region, then to
 `torch`, when compilation fails — and returns an `Execution`: the execution trace (one `call_module` per region,
-printable and runnable) plus a `Region` per region.
-"""
+printable and runnable) plus a `Region` per region."""
 
 import contextlib
 import dataclasses
@@ -38,9 +37,8 @@ log = get_logger("dispatch")
 
 @dataclasses.dataclass
 class RegionArtifact:
-    """What the compiled-artifact cache keeps of one compiled region: which executor compiled it (after any
-    fallbacks, and why), that executor's bytes to rebuild it (`Executor.load_region`), and the `structure_key`
-    of the region graph it was compiled from: it is loaded only for that graph."""
+    """What the compiled-artifact cache keeps of one compiled region: its executor's bytes to rebuild it
+    (`Executor.load_region`), loaded only for the region graph (`structure_key`) it was compiled from."""
     executor: str
     data: bytes
     fallback_reason: Optional[str] = None
@@ -261,8 +259,7 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
                      f"({type(e).__name__}: {str(e).strip()[:200]}); compiled")
         return None
     region.compile_seconds = time.perf_counter() - start
-    region.executor, region.race = artifact.executor, artifact.race
-    region.fallback_reason = artifact.fallback_reason
+    region.executor, region.race, region.fallback_reason = artifact.executor, artifact.race, artifact.fallback_reason
     return fn
 
 
@@ -392,15 +389,13 @@ def gemm_flops(node: fx.Node, executors: Sequence[Executor] = ()) -> tuple[int, 
     aten = torch.ops.aten
     shapes = [tuple(node_value(a).shape) if isinstance(a, fx.Node) and isinstance(node_value(a), torch.Tensor)
               else None for a in node.args]
-    try:
+    with contextlib.suppress(TypeError, IndexError):  # symbolic sizes: not counted
         if node.target in (aten.mm.default, aten.addmm.default):
             a, b = shapes[-2], shapes[-1]
             return 2 * a[0] * a[1] * b[1], False
         if node.target is aten.bmm.default:
             a, b = shapes
             return 2 * a[0] * a[1] * a[2] * b[2], False
-    except (TypeError, IndexError):  # symbolic sizes: not counted
-        pass
     return 0, False
 
 

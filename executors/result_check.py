@@ -1,6 +1,5 @@
 """The check of an executor's result against its region's trace, at the region's first call (every
-call under `PIPELINE_DEBUG=1`): what is compared, and what a mismatch does: docs/executors.md, at the end.
-"""
+call under `PIPELINE_DEBUG=1`): what is compared, and what a mismatch does: docs/executors.md, at the end."""
 
 import os
 from typing import Any, Callable, Optional
@@ -9,6 +8,8 @@ import torch
 import torch.fx as fx
 
 from ir import Region, describe_value, node_value
+
+from .graph_utils import donated_inputs
 
 
 class ResultCheck:
@@ -19,8 +20,7 @@ class ResultCheck:
         self.expected = [node_value(a) if isinstance(a, fx.Node) else a for a in out]
         self.region, self.replace = region, replace
         self.every_call = os.environ.get("PIPELINE_DEBUG", "") not in ("", "0")
-        placeholders = [n for n in source.graph.nodes if n.op == "placeholder"]
-        self.donated = [i for i, n in enumerate(placeholders) if n.meta.get("donated")]
+        self.donated = donated_inputs(source)
 
     def hold(self, args: list) -> Optional[list]:
         """A copy of the argument list to run the region again with, or None when it has donated inputs

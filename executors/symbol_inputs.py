@@ -1,8 +1,7 @@
 """Every region receives the shape symbols its code names, not only the values its ops take as
 arguments (what `fuse_by_partitions` gives it): a backward region padding by a saved `s48 - 10` to a
 size `s48` needs `s48` itself, which only an input that is that plain symbol binds (`ir.symbols`);
-without it Inductor's code failed with `NameError: name 's48' is not defined`.
-"""
+without it Inductor's code failed with `NameError: name 's48' is not defined`."""
 
 import torch
 import torch.fx as fx
@@ -42,9 +41,8 @@ def _add_inputs(region: fx.GraphModule, call: fx.Node, values: list[fx.Node]) ->
     placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
     after = placeholders[-1] if placeholders else None
     for value in values:
-        context = region.graph.inserting_after(after) if after is not None else \
-            region.graph.inserting_before(next(iter(region.graph.nodes)))
-        with context:
+        with (region.graph.inserting_after(after) if after is not None
+              else region.graph.inserting_before(next(iter(region.graph.nodes)))):
             p = region.graph.placeholder(f"{value.name}_symbol")
         p.meta.update({k: v for k, v in value.meta.items() if k in ("val", "example_value", "tensor_meta")})
         after = p

@@ -8,8 +8,7 @@ AOTAutograd keeps both as single ops, and this operator executor claims them.
     pipeline.jit(model, executors=[te.fp8(DelayedScaling()), "inductor"])   # or te (bf16), te.fp8() (current)
 
 Recipes, fp8 formats, the delayed-scaling state (`te_scaling.py`) and what TE does not take:
-docs/executors.md, "`te`".
-"""
+docs/executors.md, "`te`"."""
 
 import math
 import operator
@@ -57,9 +56,7 @@ te_linear = torch.library.custom_op("pipeline_te::linear", mutates_args=())(_lin
 @te_linear.register_fake
 def _linear_fake(x, weight, bias, fp8, scaling, index):
     y = x.new_empty(*x.shape[:-1], weight.shape[0])
-    if not fp8:
-        return [y]
-    return [y, x.new_empty(1, dtype=torch.float32), x.new_empty(1, dtype=torch.float32)]
+    return [y, x.new_empty(1, dtype=torch.float32), x.new_empty(1, dtype=torch.float32)] if fp8 else [y]
 
 
 def _fp8_saved_values(x, weight, fp8: bool) -> list:

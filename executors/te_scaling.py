@@ -1,8 +1,6 @@
-"""fp8 scaling for the `te` executor: current scaling (stateless) and delayed scaling, one
-`DelayedScalingState` per jitted model (docs/executors.md, "te"): x, W and dy of every linear, stacked
-per direction. The custom ops reach the state through an integer handle, so the graph stays a pure
-function of its inputs as far as the compiler can see.
-"""
+"""fp8 scaling for the `te` executor: current scaling (stateless) and delayed scaling, one `DelayedScalingState`
+per jitted model (docs/executors.md, "te"): x, W and dy of every linear, stacked per direction. The custom ops reach
+the state through an integer handle, so the graph stays a pure function of its inputs as far as the compiler can see."""
 
 import functools
 import itertools
@@ -113,8 +111,7 @@ class DelayedScalingState:
             self.backward.ensure(n, length, device)
             loaded = [name for name in self.pending if name in self.names]
             for name in loaded:
-                self._load(name, self.pending[name])
-                del self.pending[name]
+                self._load(name, self.pending.pop(name))
             if first and loaded:
                 # A loaded state holds the last saved step's amaxes, not yet in its scales: fold them
                 # in now, as the uninterrupted run's next call did (this call's update found no state).
@@ -206,10 +203,8 @@ class DelayedScalingState:
                              f"{tuple(scale.shape)} do not fit this recipe (amax_history_len="
                              f"{self.recipe.amax_history_len}, expected ({self.recipe.amax_history_len}, 3) and (3,))")
         (fh, fs), (bh, bs) = self.forward.view(2 * i, 2), self.backward.view(i, 1)
-        fs.copy_(scale[:2])
-        bs.copy_(scale[2:])
-        fh.copy_(history[:, :2])
-        bh.copy_(history[:, 2:])
+        for mine, loaded in ((fs, scale[:2]), (bs, scale[2:]), (fh, history[:, :2]), (bh, history[:, 2:])):
+            mine.copy_(loaded)
 
 
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}

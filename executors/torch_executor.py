@@ -1,7 +1,6 @@
 """The `torch` executor: runs a region's ATen ops one by one with eager's own kernels.
 
-It claims every op, so it is also the fallback that runs whatever no listed executor claims.
-"""
+It claims every op, so it is also the fallback that runs whatever no listed executor claims."""
 
 from typing import Sequence
 

@@ -1,7 +1,6 @@
 """The project's warning categories and logger (`PIPELINE_LOG=info`: README), in the lowest layer so
 every package can use them. Warnings are for what a user must know (something runs slower or
-differently than asked); the logger is for following what the compiler is doing.
-"""
+differently than asked); the logger is for following what the compiler is doing."""
 
 import logging
 import os

@@ -1,7 +1,6 @@
 """Prints a `Trace` as readable, runnable Python, Thunder style: one op per line, the shape and dtype
 of what it makes as a comment, inputs and outputs described in the header. `python_callable(trace)`
-executes that text, so what is printed is exactly what can be run.
-"""
+executes that text, so what is printed is exactly what can be run."""
 
 import builtins
 import math

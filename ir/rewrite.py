@@ -1,7 +1,6 @@
 """Graph rewrites as tables of (pattern, replace, guard) rules, read by one small matcher (tinygrad's
 pattern tables; docs/passes.md, "A rewrite as a pattern list"). Not `torch.fx.subgraph_rewriter`: its
-patterns are traced functions, one per spelling, and Dynamo's graphs spell one op many ways.
-"""
+patterns are traced functions, one per spelling, and Dynamo's graphs spell one op many ways."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional

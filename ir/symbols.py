@@ -2,8 +2,7 @@
 computes `2*(s48//2)` needs `s48` itself, and compilers bind a symbol only from an input that *is* it:
 a tensor input's size or stride equal to the plain symbol, or a SymInt input equal to it (Inductor's
 wrapper: a SymInt input `s48 - 10` binds nothing); unbacked symbols (`u0`) by the op making them.
-`check_symbols_bound` makes a symbol bound neither way an error at build time, not a `NameError` at run time.
-"""
+`check_symbols_bound` makes a symbol bound neither way an error at build time, not a `NameError` at run time."""
 
 import dataclasses
 from typing import Any, Iterator
@@ -96,10 +95,7 @@ def _exprs(value, offsets: bool = True) -> Iterator:
             parts.append(value.stride())
             if offsets:
                 parts.append((value.storage_offset(),))
-        for part in parts:
-            for x in part:
-                if isinstance(x, torch.SymInt):
-                    yield x.node.expr
+        yield from (x.node.expr for part in parts for x in part if isinstance(x, torch.SymInt))
     elif isinstance(value, (tuple, list)):
         for v in value:
             yield from _exprs(v, offsets)
@@ -148,9 +144,7 @@ def _is_unbacked(symbol) -> bool:
 
 def _op(node: fx.Node) -> str:
     target = node.target
-    if isinstance(target, (str, torch._ops.OpOverload)):
-        return str(target)
-    return getattr(target, "__name__", str(target))
+    return str(target) if isinstance(target, (str, torch._ops.OpOverload)) else getattr(target, "__name__", str(target))
 
 
 def _show(value) -> str:

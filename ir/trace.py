@@ -1,7 +1,6 @@
 """`Trace`: an immutable, functional program over an `fx.Graph`, with input/output specs, level and
 provenance (docs/design.md). Passes never edit a trace: they change `trace.editable()`, a private
-copy of its graph module, and wrap the result with `trace.derive(gm, by="my_pass")`.
-"""
+copy of its graph module, and wrap the result with `trace.derive(gm, by="my_pass")`."""
 
 import dataclasses
 import enum

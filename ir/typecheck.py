@@ -1,8 +1,7 @@
 """Type checking of traces, as JAX's `check_jaxpr` re-derives every equation: each node's value re-derived
 with fake tensors and compared with the metadata the trace claims, and a pass's outputs compared with
 those of the trace it was given (docs/passes.md, "What is checked"). After a pass only the nodes it
-created or changed are re-derived; `check_types(trace)` without `before` re-derives every node.
-"""
+created or changed are re-derived; `check_types(trace)` without `before` re-derives every node."""
 
 from typing import Any, Optional
 
@@ -134,16 +133,12 @@ def _derivable(node: fx.Node, claimed) -> bool:
     """Ops re-run on fake values: not higher-order ops (their bodies are submodules), in-place
     ops (running one again would change the fake input it shares with another node), calls of
     submodules, or values with data-dependent sizes (each run makes new symbols)."""
-    target = node.target
-    if node.op not in ("call_function", "call_method"):
-        return False
-    if isinstance(target, torch._ops.HigherOrderOperator):
+    target, op = node.target, node.op
+    if op not in ("call_function", "call_method") or isinstance(target, torch._ops.HigherOrderOperator):
         return False
     if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
         return False
-    if node.op == "call_method" and str(target).endswith("_"):
-        return False
-    if isinstance(target, str) and node.op == "call_function":
+    if (op == "call_method" and str(target).endswith("_")) or (op == "call_function" and isinstance(target, str)):
         return False
     return not _has_unbacked(claimed)
 

@@ -1,6 +1,5 @@
 """The boxed calling convention for compiled stages (AOTAutograd's `_boxed_call`): the callee takes the
-argument *list* and empties it, so each input is freed right after its last use, not when the stage returns.
-"""
+argument *list* and empties it, so each input is freed right after its last use, not when the stage returns."""
 
 import operator
 
@@ -14,8 +13,7 @@ def boxed(gm: fx.GraphModule):
     graph = fx.Graph()
     args_list = graph.placeholder("args_list")
     value_map: dict[fx.Node, fx.Node] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, node in enumerate(placeholders):
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         value_map[node] = graph.call_function(operator.getitem, (args_list, i))
         value_map[node].name = node.name
     graph.call_method("clear", (args_list,))

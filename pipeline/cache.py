@@ -5,8 +5,7 @@ passes (name, source, closure), the transforms, the executors and their `cache_t
 the torch and Python versions, and the pipeline's own source. Entry: each stage's trace and regions,
 the runtime wrappers' metadata, each region's artifact keyed by the region's own hash, and
 AOTAutograd's entry, so a hit captures, then loads instead of lowering (`warm_start`) or compiling.
-Only entries this user wrote and sealed are read (`cache_files`); writes are atomic (`os.replace`).
-"""
+Only entries this user wrote and sealed are read (`cache_files`); writes are atomic (`os.replace`)."""
 
 import atexit
 import functools
@@ -167,22 +166,19 @@ _roots: dict[str, object] = {}  # cache root -> its HMAC key (bytes), or why it 
 def trusted_key(root: str) -> bytes:
     """The HMAC key of the cache at `root`, checking the root once per process (see cache_files).
     Raises `Untrusted` (the first time with one warning): the cache is then off for the process."""
-    verdict = _roots.get(root)
-    if verdict is None:
+    if root not in _roots:
         try:
             cache_files.check_parents(root)
-            verdict = cache_files.secret(cache_files.private_dir(root, "cache root"))
+            hmac_key = cache_files.secret(cache_files.private_dir(root, "cache root"))
             set_artifact_files_root(cache_files.private_dir(os.path.join(root, "executors")))
+            _roots[root] = hmac_key
         except cache_files.Untrusted as e:
             refuse(root, str(e))
-            verdict = _roots[root]
         except OSError as e:  # cannot make the root (a read-only home, say): off, said once
             refuse(root, f"cache root {root} cannot be used ({type(e).__name__}: {e})")
-            verdict = _roots[root]
-        _roots[root] = verdict
-    if isinstance(verdict, str):
-        raise cache_files.Untrusted(verdict)
-    return verdict
+    if isinstance(_roots[root], str):
+        raise cache_files.Untrusted(_roots[root])
+    return _roots[root]
 
 
 def refuse(root: str, why: str) -> None:
@@ -254,10 +250,9 @@ atexit.register(save_changed)
 
 
 class GraphCache:
-    """The cache entry of one captured graph while the pipeline compiles it: region artifacts for
-    dispatch to load and fill, and what each stage made. Status goes to the graph's record:
-    `record.cache` is "hit" (every region loaded), "miss", or "off: <why>". The cache's own work
-    (key, reading, checking, writing) is timed in `record.seconds["cache"]`."""
+    """The cache entry of one captured graph while the pipeline compiles it: region artifacts for dispatch to load
+    and fill, and what each stage made. Status goes to the graph's record: `record.cache` is "hit" (every region
+    loaded), "miss", or "off: <why>"; the cache's own work is timed in `record.seconds["cache"]`."""
 
     def __init__(self, key: str, record, stored: Optional[dict]):
         self.key, self.record, self.stored, self.root = key, record, stored, cache_root()

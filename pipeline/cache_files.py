@@ -1,8 +1,8 @@
 """The cache's files, trusted only when this user wrote them (as ssh trusts `~/.ssh`): ownership and
 mode checks, entries read without following links, payloads sealed with a per-user HMAC key. What is
-checked and why: docs/cache.md, "Who can write what" and "What is checked before anything runs".
-"""
+checked and why: docs/cache.md, "Who can write what" and "What is checked before anything runs"."""
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -75,22 +75,18 @@ def secret(root: str) -> bytes:
     full to a temporary file, then linked into place, so a racing process reads the winner's)."""
     path = os.path.join(root, SECRET_NAME)
     for _ in range(2):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             data = read_file(path, "cache key", private=True, limit=4096)
             if len(data) != 32:
                 raise Untrusted(f"cache key {path} is not a key this pipeline made ({len(data)} bytes); remove it")
             return data
-        except FileNotFoundError:
-            pass
         fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-", suffix=".key")
         try:
             os.write(fd, secrets.token_bytes(32))
             os.fsync(fd)
             os.close(fd)
-            try:
-                os.link(tmp, path)  # fails if another process made it first: then theirs is read
-            except FileExistsError:
-                pass
+            with contextlib.suppress(FileExistsError):  # another process made it first: then theirs is read
+                os.link(tmp, path)
         finally:
             os.unlink(tmp)
     raise Untrusted(f"cache key {path} could not be made")  # pragma: no cover - removed while we ran

@@ -1,8 +1,7 @@
 """`pipeline.save` / `pipeline.load`: a jitted model's (and its optimizer's) state through safetensors
 (what loads where, and the rank files under `fsdp`: docs/passes.md, "Checkpoints"). Keys: the model's
 under `model.<key>`, the optimizer's tensors under `optimizer.state.<index>.<name>`, its
-hyperparameters as JSON in the metadata, and the rows each rank file holds in its `rows` metadata.
-"""
+hyperparameters as JSON in the metadata, and the rows each rank file holds in its `rows` metadata."""
 
 import contextlib
 import glob
@@ -25,17 +24,14 @@ def save(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None) ->
     sharded = _row_sharded(cm)
     rank, world = _rank_world(sharded)
     tensors, metadata, rows = {}, {"format": "pt"}, {}
-    if sharded:
-        for qualname, r in sharded.items():
-            keys = {"": qualname, **r.extra_keys()}
-            for suffix, value in r.transform.local_rows(r.tensors, r.original).items():
-                tensors[MODEL + keys[suffix]] = _storable(value, keys[suffix])
-                rows[MODEL + keys[suffix]] = list(r.transform.row_shard(r.original))
-        rest = _unsharded_state(cm, sharded)  # every rank: decoding may gather
-        if rank == 0:
-            tensors.update({MODEL + k: _storable(v, k) for k, v in rest.items()})
-    else:
-        tensors.update({MODEL + k: _storable(v, k) for k, v in cm.state_dict().items()})
+    for qualname, r in sharded.items():
+        keys = {"": qualname, **r.extra_keys()}
+        for suffix, value in r.transform.local_rows(r.tensors, r.original).items():
+            tensors[MODEL + keys[suffix]] = _storable(value, keys[suffix])
+            rows[MODEL + keys[suffix]] = list(r.transform.row_shard(r.original))
+    rest = _unsharded_state(cm, sharded) if sharded else cm.state_dict()  # every rank: decoding may gather
+    if rank == 0:  # rank 0's file (or the only file) holds them
+        tensors.update({MODEL + k: _storable(v, k) for k, v in rest.items()})
     if optimizer is not None:
         metadata["optimizer"] = _save_optimizer(cm, optimizer, tensors, rows)
     metadata["rows"] = json.dumps(rows)
@@ -167,9 +163,7 @@ def _load_optimizer(cm, optimizer, ckpt: Checkpoint, saved) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     param_rows = _param_rows(cm)
     state: dict[int, dict] = {}
-    for key in ckpt.keys():
-        if not key.startswith(OPTIMIZER):
-            continue
+    for key in (k for k in ckpt.keys() if k.startswith(OPTIMIZER)):
         index, name = key[len(OPTIMIZER):].split(".", 1)
         param = params[int(index)]
         held = param_rows.get(id(param))

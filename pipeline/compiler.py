@@ -1,8 +1,7 @@
 """The Dynamo backend: for each captured graph, capture → runtime wrappers' pre_compile → passes →
 lowering and autodiff (AOTAutograd; joint passes before its partitioner) → passes → dispatch to the
 executors (cached regions loaded) → wrappers' post_compile. Every stage's output is an `ir.Trace` in the
-graph's `GraphRecord`; a graph whose lowering fails runs in eager, with the reason recorded.
-"""
+graph's `GraphRecord`; a graph whose lowering fails runs in eager, with the reason recorded."""
 
 import contextlib
 import functools
@@ -359,8 +358,7 @@ def _run_checked(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
     record.seconds["passes"] += seconds
     record.seconds["verify"] += time.perf_counter() - start_check
     if len(out.provenance) <= len(trace.provenance):
-        out = Trace(out.module, name=out.name, level=out.level, stage=out.stage, inputs=out.inputs,
-                    outputs=out.outputs, provenance=out.provenance + (Step(p.name, seconds),))
+        out = out.derive(out.module, by=p.name, seconds=seconds)
     return out
 
 

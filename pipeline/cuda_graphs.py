@@ -1,8 +1,6 @@
-"""CUDA graphs for compiled stages (`pipeline.jit(..., cuda_graphs=True)`; docs/executors.md, "CUDA
-graphs"), through torch.compile's "reduce-overhead" machinery (`torch._inductor.cudagraph_trees`) and
-its rules. A stage that cannot be recorded (`why_not_recordable`) runs region by region, the reason in
-`pipeline.compile_stats(model).cuda_graphs`.
-"""
+"""CUDA graphs for compiled stages (`pipeline.jit(..., cuda_graphs=True)`; docs/executors.md, "CUDA graphs"), through
+torch.compile's "reduce-overhead" machinery (`torch._inductor.cudagraph_trees`) and its rules. A stage that cannot be
+recorded (`why_not_recordable`) runs region by region, the reason in `pipeline.compile_stats(model).cuda_graphs`."""
 
 from typing import Callable, Optional, Sequence
 

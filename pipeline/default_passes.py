@@ -5,8 +5,7 @@
 
 Each runs after the user's passes of its stage (so `causal_attention` and `grouped_kv_attention` see
 mixed precision's autocast; `save_policy` runs just before the partitioner). One that raises leaves
-the graph compiling without it, the reason in `compile_stats` (`TracePass.optional`).
-"""
+the graph compiling without it, the reason in `compile_stats` (`TracePass.optional`)."""
 
 import dataclasses
 

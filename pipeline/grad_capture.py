@@ -4,8 +4,7 @@ Dynamo breaks the graph there (docs/design.md, "Stages").
 
 The trap: the engine hands saved activations to backward formulas through `aten.detach`, which would
 cut the dependence of the forces on the parameters and give plausible but wrong parameter gradients.
-Those detaches are removed; detaches the user wrote are marked while tracing and kept.
-"""
+Those detaches are removed; detaches the user wrote are marked while tracing and kept."""
 
 import dataclasses
 import types
@@ -64,8 +63,7 @@ def trace_through_grad(fn: Callable, example_inputs: list) -> fx.GraphModule:
         if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.pipeline.user_detach.default:
+        elif node.op == "call_function" and node.target is torch.ops.pipeline.user_detach.default:
             node.target = torch.ops.aten.detach.default
     graph.eliminate_dead_code()
     gm.recompile()
@@ -112,10 +110,8 @@ class GradCapture:
             for i, t in zip(tensor_positions, tensors[len(names):]):
                 filled[i] = t
             args, kwargs = pytree.tree_unflatten(filled, in_spec)
-            if isinstance(self.target, torch.nn.Module):
-                out = torch.func.functional_call(self.target, state, args, kwargs)
-            else:
-                out = self.target(*args, **kwargs)
+            out = (torch.func.functional_call(self.target, state, args, kwargs)
+                   if isinstance(self.target, torch.nn.Module) else self.target(*args, **kwargs))
             flat_out, spec = pytree.tree_flatten(out)
             out_spec.append(spec)
             return flat_out

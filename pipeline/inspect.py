@@ -122,8 +122,7 @@ class CompileStats:
 
 def compile_stats(cm) -> CompileStats:
     history = _state(cm).history
-    seconds: dict[str, float] = defaultdict(float)
-    seconds["capture"] = history.capture_seconds
+    seconds: dict[str, float] = defaultdict(float, capture=history.capture_seconds)
     for rec in history.records:
         for k, v in rec.seconds.items():
             if k != "total":

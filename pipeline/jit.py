@@ -117,9 +117,7 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     else:
         runner = torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=fullgraph,
                                dynamic=dynamic, **_own_recompile_budget())
-    if isinstance(model_or_fn, torch.nn.Module):
-        return JittedModule(model_or_fn, runner, state)
-    return JittedFunction(model_or_fn, runner, state)
+    return (JittedModule if isinstance(model_or_fn, torch.nn.Module) else JittedFunction)(model_or_fn, runner, state)
 
 
 def _own_recompile_budget() -> dict:
@@ -187,9 +185,8 @@ def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], d
 def _owners(obj) -> dict[int, tuple[str, str]]:
     if not isinstance(obj, torch.nn.Module):
         return {}
-    owners = {id(b): (InputKind.BUFFER, n) for n, b in obj.named_buffers(remove_duplicate=False)}
-    owners.update({id(p): (InputKind.PARAMETER, n) for n, p in obj.named_parameters(remove_duplicate=False)})
-    return owners
+    return {**{id(b): (InputKind.BUFFER, n) for n, b in obj.named_buffers(remove_duplicate=False)},
+            **{id(p): (InputKind.PARAMETER, n) for n, p in obj.named_parameters(remove_duplicate=False)}}
 
 
 def _call(runner, state: CompileState, args, kwargs):
@@ -301,9 +298,7 @@ class JittedModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, runner, state: CompileState):
         super().__init__()
-        object.__setattr__(self, "_original", model)
-        object.__setattr__(self, "_runner", runner)
-        object.__setattr__(self, "_state", state)
+        self.__dict__.update(_original=model, _runner=runner, _state=state)  # plain attributes, not submodules
         self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
         self.training = model.training
 
@@ -349,9 +344,7 @@ class JittedModule(torch.nn.Module):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        taken = set()
-        for executor in self._state.config.executors:
-            taken |= executor.load_extra_state(state_dict)
+        taken = set().union(*(e.load_extra_state(state_dict) for e in self._state.config.executors))
         if taken:
             state_dict = {k: v for k, v in state_dict.items() if k not in taken}
         if self._state.config.replaced:

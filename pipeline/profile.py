@@ -1,7 +1,6 @@
 """`pipeline.profile(cm, *args)`: time spent in each region, from the torch profiler: each compiled
 region runs inside a named range (`region3:inductor`), so its time also shows in a `chrome_trace`
-timeline. A region's time is its kernels' device time when it ran on the GPU, else its host time.
-"""
+timeline. A region's time is its kernels' device time when it ran on the GPU, else its host time."""
 
 import dataclasses
 from typing import Optional

@@ -1,6 +1,5 @@
-"""What the pipeline remembers about each compiled graph: every stage's trace, the regions, the
-fallbacks and their reasons, and where the time went. `pipeline.regions`, `last_traces` and
-`compile_stats` read these records."""
+"""What the pipeline remembers about each compiled graph: every stage's trace, the regions, the fallbacks and their
+reasons, and where the time went. `pipeline.regions`, `last_traces` and `compile_stats` read these records."""
 
 import dataclasses
 import os

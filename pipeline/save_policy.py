@@ -4,8 +4,7 @@
 half-precision value for recomputation, on the joint graph: the min-cut partitioner then saves the
 half-precision value (bf16 logits) or a reduction instead of an fp32 intermediate twice its size.
 `recompute_fp8_casts` tags fp8 casts made in the graph (their byte views and transposes, and the
-copies they read) the same way: made in the backward from what the forward keeps anyway.
-"""
+copies they read) the same way: made in the backward from what the forward keeps anyway."""
 
 import torch
 import torch.fx as fx

@@ -17,8 +17,7 @@ def captured_input_specs(gm: fx.GraphModule, example_inputs: Sequence,
     """Specs of a Dynamo graph's inputs. `owners` maps id(tensor) -> (kind, qualified name) for the
     module's parameters and buffers, which Dynamo passes as graph inputs."""
     specs = []
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, example_inputs):
+    for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
         if isinstance(value, (int, torch.SymInt)):
             specs.append(InputSpec(InputKind.SYMINT, node.name))
         elif id(value) in owners:

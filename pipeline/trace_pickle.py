@@ -3,8 +3,7 @@
 sizes, strides, offset, dtype, device and an id of its storage, so tensors that shared memory share it
 again after loading (dispatch's donation decisions read that); anything else goes through torch's own
 description. Debug metadata is left out. What the warm start stores is an execution trace's module
-before its regions were built (`executors.plan.unbuilt`): identical regions share one graph.
-"""
+before its regions were built (`executors.plan.unbuilt`): identical regions share one graph."""
 
 import contextlib
 

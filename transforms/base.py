@@ -1,6 +1,5 @@
 """Trace passes: pure `Trace -> Trace` functions that say where in the pipeline they run (`STAGES`;
-docs/passes.md, "Writing a pass").
-"""
+docs/passes.md, "Writing a pass")."""
 
 import dataclasses
 from typing import Callable

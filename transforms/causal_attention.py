@@ -2,8 +2,7 @@
 
 Each SDPA mask that depends on no graph input is computed once, at compile time; where it is SDPA's
 causal mask in every batch and head, it is dropped and the flag set. Why (traced Hugging Face models),
-and which masks are left alone: docs/passes.md, "Built in: the default passes".
-"""
+and which masks are left alone: docs/passes.md, "Built in: the default passes"."""
 
 from typing import Optional
 

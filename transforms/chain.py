@@ -1,8 +1,8 @@
 """`chain(a, b, ...)`: model transforms applied one after another, itself a model transform (docs/passes.md,
 "Chains"). Two transforms compose when the later one can encode every tensor the earlier one produces and
-keeps no state of its own in the state dict (its extra state would describe intermediate tensors).
-"""
+keeps no state of its own in the state dict (its extra state would describe intermediate tensors)."""
 
+import functools
 from typing import Optional
 
 import torch
@@ -105,7 +105,4 @@ def chain(*transforms: ModelTransform) -> ModelTransform:
     """The model transforms applied in order, as one (what `transforms=[...]` does with several)."""
     if not transforms:
         raise ValueError("chain: give at least one model transform")
-    out = transforms[0]
-    for t in transforms[1:]:
-        out = Chain(out, t)
-    return out
+    return functools.reduce(Chain, transforms)

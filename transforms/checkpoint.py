@@ -1,7 +1,6 @@
 """`checkpoint(policy)`: activation checkpointing as the `node.meta["recompute"]` tags AOTAutograd's
 min-cut partitioner honours (those of `torch.utils.checkpoint`'s selective policies), set on the joint
-graph's forward ops. The policies: docs/passes.md, "Training passes".
-"""
+graph's forward ops. The policies: docs/passes.md, "Training passes"."""
 
 import operator
 from typing import Callable, Union
@@ -37,8 +36,7 @@ def checkpoint(policy: Union[str, Callable[[fx.Node], bool]] = "selective") -> T
     elif policy == "selective":
         save, recompute, label = is_expensive, CheckpointPolicy.PREFER_RECOMPUTE, "selective"
     elif callable(policy):
-        save, recompute = policy, CheckpointPolicy.PREFER_RECOMPUTE
-        label = getattr(policy, "__name__", "predicate")
+        save, recompute, label = policy, CheckpointPolicy.PREFER_RECOMPUTE, getattr(policy, "__name__", "predicate")
     else:
         raise ValueError(f"checkpoint: policy must be 'full', 'selective' or a function node -> bool "
                          f"(True to save), got {policy!r}")

@@ -1,7 +1,6 @@
 """`cpu_offload()`: saved activations wait for the backward in CPU memory (docs/passes.md). The
 forward and backward traces list the saved values in the same order, so both sides pick the same ones
-by the same rule; both copies are ordinary `aten._to_copy` ops in the traces.
-"""
+by the same rule; both copies are ordinary `aten._to_copy` ops in the traces."""
 
 import torch
 import torch.fx as fx

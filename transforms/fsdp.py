@@ -1,6 +1,5 @@
 """`fsdp(process_group=None)`: fully sharded data parallelism over `torch.distributed`: each rank
-holds and trains its dim-0 shard of every trainable parameter (docs/passes.md, "Model-changing transforms").
-"""
+holds and trains its dim-0 shard of every trainable parameter (docs/passes.md, "Model-changing transforms")."""
 
 import math
 import operator
@@ -69,9 +68,8 @@ class FSDP(ModelTransform):
         shard = inputs["shard"]
         fake_shard = node_value(shard)
         trained = fake_shard.requires_grad  # frozen tensors (e.g. quantized weights) need no gradient path
-        gather = fcol.all_gather_tensor
-        if trained:
-            gather = getattr(fcol, "all_gather_single_autograd", None) or fcol.all_gather_tensor_autograd
+        gather = ((getattr(fcol, "all_gather_single_autograd", None) or fcol.all_gather_tensor_autograd)
+                  if trained else fcol.all_gather_tensor)
         gathered = add_call(graph, gather, (shard, 0, self.group.group_name),
                             fake_like(fake_shard, (fake_shard.shape[0] * self.world, *fake_shard.shape[1:])))
         full = add_call(graph, fcol.wait_tensor, (gathered,), gathered.meta["val"])

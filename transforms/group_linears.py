@@ -3,8 +3,7 @@ stacked weights, the output split along its last dim (when it pays: docs/passes.
 
 The stacked weights are tagged `recompute`, so the backward concatenates them again rather than the
 partitioner keeping a second copy of every grouped weight alive (0.9 GiB on the 1B Llama in bf16). A
-piece the model `.view()`s in a way a strided slice cannot be viewed is copied contiguous first.
-"""
+piece the model `.view()`s in a way a strided slice cannot be viewed is copied contiguous first."""
 
 import contextlib
 import operator

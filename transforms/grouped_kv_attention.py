@@ -2,8 +2,7 @@
 of copies repeated to every query head (`k.repeat_interleave(n, dim=1)`, or Hugging Face's `repeat_kv`).
 
 Applied only where it can only win (`_can_win`, the guard of this one-rule `ir.rewrite`): attention in
-half precision on the devices given; why, and what it gains: docs/passes.md, "Built in: the default passes".
-"""
+half precision on the devices given; why, and what it gains: docs/passes.md, "Built in: the default passes"."""
 
 from typing import Optional, Sequence
 

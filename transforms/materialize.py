@@ -1,7 +1,6 @@
 """`materialize(checkpoint=None)`: a model built on the `meta` device gets real storage at jit time, from
 its modules' own `reset_parameters()` or a safetensors checkpoint read tensor by tensor (docs/passes.md).
-With a checkpoint the file's values are loaded even into tensors not on `meta`.
-"""
+With a checkpoint the file's values are loaded even into tensors not on `meta`."""
 
 import warnings
 from typing import Optional

@@ -3,8 +3,7 @@
 
 It wraps the captured program in an autocast region (the `_enter_autocast` / `_exit_autocast` nodes
 Dynamo records for a `with torch.autocast(...)` block); lowering applies autocast's op policy, so the
-lowered trace shows every cast and the backward reaches the fp32 parameters through them.
-"""
+lowered trace shows every cast and the backward reaches the fp32 parameters through them."""
 
 import torch
 

@@ -1,7 +1,6 @@
 """`ModelTransform`: a transform that changes parameters and the graph together (docs/passes.md,
 "Model-changing transforms"). A transform holding only some rows (dim 0) of a parameter on this rank
-(FSDP) says which (`row_shard`), so sharded checkpoints save and load each rank's rows.
-"""
+(FSDP) says which (`row_shard`), so sharded checkpoints save and load each rank's rows."""
 
 from typing import Optional
 
@@ -37,9 +36,7 @@ class ModelTransform:
         """`encode` from a safetensors slice `source` (`source[a:b]` reads rows a..b), reading only this
         rank's rows when it holds a row shard."""
         rows = self.row_shard(original)
-        if rows is None:
-            return self.encode(source[:])
-        return self.from_rows({"": source[rows[0]:rows[1]]}, original)
+        return self.encode(source[:]) if rows is None else self.from_rows({"": source[rows[0]:rows[1]]}, original)
 
     def decode(self, tensors: dict[str, torch.Tensor], original: torch.Tensor) -> torch.Tensor:
         """The original parameter's value from the new tensors (`original`: its shape and dtype)."""

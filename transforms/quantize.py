@@ -1,6 +1,5 @@
 """`quantize("int8" | "fp8")`: weight-only quantization of linear weights, for inference, dequantized in
-the trace right before use (`weight.to(f32) * scale`) for executors to fuse (docs/passes.md).
-"""
+the trace right before use (`weight.to(f32) * scale`) for executors to fuse (docs/passes.md)."""
 
 from typing import Optional
 
@@ -30,19 +29,15 @@ class WeightOnlyQuantization(ModelTransform):
         return isinstance(module, torch.nn.Linear) and qualname.endswith("weight") and param.is_floating_point()
 
     def cannot_encode(self, value):
-        if value.dim() != 2 or not value.is_floating_point():
-            return f"it quantizes 2-D floating-point weights, not a {value.dim()}-D {value.dtype} tensor"
-        return None
+        return (f"it quantizes 2-D floating-point weights, not a {value.dim()}-D {value.dtype} tensor"
+                if value.dim() != 2 or not value.is_floating_point() else None)
 
     def encode(self, value, like: Optional[dict[str, torch.Tensor]] = None):
         value = value.detach().float()
         scale = (like["scale"] if like is not None
                  else value.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / self.qmax)
         scaled = value / scale
-        if self.dtype is torch.int8:
-            q = scaled.round().clamp(-self.qmax, self.qmax).to(torch.int8)
-        else:
-            q = scaled.clamp(-self.qmax, self.qmax).to(self.dtype)
+        q = (scaled.round() if self.dtype is torch.int8 else scaled).clamp(-self.qmax, self.qmax).to(self.dtype)
         return {"q": q, "scale": scale.to(torch.float32)}
 
     def decode(self, tensors, original=None):
