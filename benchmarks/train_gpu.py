@@ -303,6 +303,8 @@ def run_row(name, how, config, batches, args):
                          enumerate(["forward call", "backward call", "optimizer call", "wait for the GPU"])}}
     if first is not None:
         extra["first_step_profile (cProfile)"] = profile_lines(first, 60)
+        if args.trace_dir:  # the whole profile, for pstats
+            first.dump_stats(os.path.join(args.trace_dir, re.sub(r"[^A-Za-z0-9]+", "_", name) + ".prof"))
     # torch's own timers of its compile phases (dynamo_timed: Dynamo, AOTAutograd, Inductor's codegen,
     # waiting for Triton's compile workers), summed over the run: which of torch's phases a first step waits on
     from torch._dynamo.utils import compilation_time_metrics
@@ -368,6 +370,8 @@ def main():
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds per row, compile included")
     parser.add_argument("--cache", action="store_true",
                         help="each row cold then warm (a second process) with its caches kept; pipeline cache on")
+    parser.add_argument("--warm-runs", type=int, default=1,
+                        help="with --cache: this many warm processes after the cold one (their spread)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--resume", default=None,
                         help="a file of rows measured so far: rows in it are not run again, new rows are added "
@@ -406,7 +410,8 @@ def main():
         selected = ROWS if args.all else ACCEPTANCE
     names = [r for r in ROWS if r in selected or r in done]
     if args.cache:
-        names = [f"{r} ({when})" for r in names for when in ("cold", "warm")]
+        whens = ["cold", "warm"] + [f"warm {i}" for i in range(2, args.warm_runs + 1)]
+        names = [f"{r} ({when})" for r in names for when in whens]
         kept = tempfile.TemporaryDirectory()  # each row's cache dirs, shared by its cold and warm runs
     for name in names:
         caches = os.path.join(kept.name, re.sub(r"[^A-Za-z0-9]+", "_", row_of(name))) if args.cache else None
@@ -444,8 +449,8 @@ def main():
 
 
 def row_of(name: str) -> str:
-    """The row a `--cache` run belongs to: its name without " (cold)" / " (warm)"."""
-    return re.sub(r" \((cold|warm)\)$", "", name)
+    """The row a `--cache` run belongs to: its name without " (cold)" / " (warm)" / " (warm 2)"."""
+    return re.sub(r" \((cold|warm|warm \d+)\)$", "", name)
 
 
 def run_in_subprocess(name, args, kept_caches=None):
