@@ -14,6 +14,11 @@ def set_artifact_files_root(path: str | None) -> None:
     _artifact_files_root[:] = [path] if path else []
 
 
+def cache_on() -> bool:
+    """Whether the pipeline's cache is on for what compiles now."""
+    return bool(_artifact_files_root)
+
+
 def artifact_files_dir(name: str) -> str | None:
     """`<root>/<name>` (made 0700) for an executor's files that a cached artifact loads (Inductor's
     kernels): only this user can write there, so what was checked before loading stays as checked.

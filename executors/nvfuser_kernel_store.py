@@ -18,7 +18,7 @@ import warnings
 
 from ir import PipelineWarning
 
-from .artifact_files import artifact_files_dir
+from .artifact_files import artifact_files_dir, cache_on
 from .base import library_version
 
 _HEADER = "kernel_signature,compile_args,kernel_code_file,cubin_file"
@@ -53,6 +53,8 @@ def status() -> str:
 
 
 def _folder() -> str | None:
+    if not cache_on():  # e.g. turned off for the process (an untrusted root), after kernels were kept
+        return None
     if "folder" in _state or "off" in _state:
         return _state.get("folder")
     if "kernel_db" in os.environ.get("NVFUSER_ENABLE", "").split(","):

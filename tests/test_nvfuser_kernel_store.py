@@ -70,6 +70,16 @@ def test_off_without_the_cache_or_when_nvfuser_enable_has_its_own(cache_root, mo
     assert options_and_tmpdir()[0] == {} and "NVFUSER_ENABLE" in store.status()
 
 
+def test_off_once_the_cache_is_off_even_after_kernels_were_kept(cache_root):
+    """nvFuser opens its database once per process, but once the pipeline's cache is off (a root
+    refused as untrusted turns it off for the process) nothing reads or adds kernels there."""
+    assert options_and_tmpdir()[0]
+    set_artifact_files_root(None)
+    assert options_and_tmpdir() == ({}, os.environ.get("TMPDIR"))
+    set_artifact_files_root(str(cache_root))
+    assert options_and_tmpdir()[0]
+
+
 HOLDER = textwrap.dedent("""
     import sys, warnings
     from executors import nvfuser_kernel_store as store
