@@ -11,6 +11,7 @@ import pickle
 import shutil
 import stat
 import sys
+import threading
 import types
 from typing import Sequence
 
@@ -23,6 +24,16 @@ from .graph_utils import (computes_nothing, donated_inputs, is_symbolic_glue, ke
                           meta_strides_unreliable, op_name, promised_strides)
 from .decompose import NotDecomposable, decompose_graph
 from .inductor_kernels import kernels_awaited_later, wait_for_kernels
+
+
+_triton_key_started: list = []  # the thread computing Triton's cache key, once per process
+
+
+def _triton_key() -> None:
+    with contextlib.suppress(Exception):  # no Triton: nothing to hash, nothing waits for it
+        from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key
+        if HAS_TRITON:
+            triton_key()  # functools.lru_cache'd: the next call in any thread returns it
 
 
 class InductorExecutor(Cacheable, PerModel, PreparesGraph):
@@ -39,10 +50,14 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
 
     def for_model(self) -> "InductorExecutor":
         """Starts Inductor's parallel compile workers now, as torch.compile's backend does on entry:
-        they take seconds to start, and kernels compile serially in this process until they are up."""
+        they take seconds to start, and kernels compile serially in this process until they are up. And hashes
+        Triton's sources (`triton_key`, ~0.35 s, once per process) in a thread, which `triton.compile` waits for."""
         with contextlib.suppress(Exception):  # an optimisation only: without workers, kernels compile in-process
             from torch._inductor.async_compile import maybe_warm_pool
             maybe_warm_pool()
+        if torch.cuda.is_available() and not _triton_key_started:
+            _triton_key_started.append(threading.Thread(target=_triton_key, name="triton_key", daemon=True))
+            _triton_key_started[0].start()
         return self
 
     def unavailable_reason(self) -> str | None:

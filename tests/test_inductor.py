@@ -107,3 +107,18 @@ def test_waits_put_off_only_in_this_thread_and_restored_after_a_failed_compile()
     assert AsyncCompile.wait is original
     with config.patch(max_autotune=True), kernels_awaited_later():
         assert AsyncCompile.wait is original
+
+
+def test_triton_key_is_hashed_once_per_process_in_a_thread_when_a_gpu_is_there(monkeypatch):
+    """A warm start's first kernel launched through `triton.compile` waits for Triton's cache key: it
+    is computed in a thread from the first jit on, once."""
+    import threading
+    from executors import inductor_executor
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(inductor_executor, "_triton_key_started", [])
+    ran = []
+    monkeypatch.setattr(inductor_executor, "_triton_key", lambda: ran.append(threading.current_thread().name))
+    for _ in range(3):
+        inductor_executor.InductorExecutor().for_model()
+    inductor_executor._triton_key_started[0].join(timeout=10)
+    assert ran == ["triton_key"]
