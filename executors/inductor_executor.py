@@ -30,10 +30,9 @@ _triton_key_started: list = []  # the thread computing Triton's cache key, once 
 
 
 def _triton_key() -> None:
-    with contextlib.suppress(Exception):  # no Triton: nothing to hash, nothing waits for it
-        from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key
-        if HAS_TRITON:
-            triton_key()  # functools.lru_cache'd: the next call in any thread returns it
+    with contextlib.suppress(Exception):  # no Triton (its stand-in raises): nothing to hash, nothing waits
+        from torch._inductor.runtime.triton_compat import triton_key
+        triton_key()  # functools.lru_cache'd: the next call in any thread returns it
 
 
 class InductorExecutor(Cacheable, PerModel, PreparesGraph):

@@ -108,9 +108,7 @@ def _zeros_like(v):
         except (TypeError, ValueError):
             return None
         return torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device).zero_()
-    if isinstance(v, (int, float, bool)):
-        return v
-    return None
+    return v if isinstance(v, (int, float, bool)) else None
 
 
 def _signature(a):

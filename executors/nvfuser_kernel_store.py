@@ -1,19 +1,17 @@
-"""nvFuser's compiled kernels kept between processes, in a folder of the pipeline's cache.
-
-`nvfuser_direct` cannot serialize a compiled fusion, so a warm start defines and schedules each fusion
-again; what it can keep is NVRTC's output, most of a fusion's compile time. nvFuser's kernel database
-(option `kernel_db`) maps a kernel's CUDA source and compile flags to its cubin, but as shipped it is a
-shared `$TMPDIR/nvfuser_kernel_db`, read once per process, numbering new kernels by how many rows it
-read, with no guard against a second writer. So here it lives in the cache's private folder (TMPDIR
-points there while nvFuser compiles), one process at a time uses it (an exclusive lock held until the
-process exits; another compiles without it, with a warning), and before nvFuser reads it each row must
-name its own numbered files, in order, each source once; otherwise it is emptied (with a warning).
+"""nvFuser's compiled kernels kept between processes, in a folder of the pipeline's cache (docs/cache.md,
+"nvFuser's kernels"): nvFuser's own kernel database (`kernel_db`: a kernel's source and compile flags →
+its cubin), found through TMPDIR while nvFuser compiles, used by one process at a time (a lock held until
+it exits), and emptied before nvFuser reads it unless each row names its own numbered files, in order,
+each source once (nvFuser numbers a new kernel by how many rows it read, and trusts what it reads).
 """
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import re
+import shutil
+import threading
 import warnings
 
 from ir import PipelineWarning
@@ -22,28 +20,29 @@ from .artifact_files import artifact_files_dir, cache_on
 from .base import library_version
 
 _HEADER = "kernel_signature,compile_args,kernel_code_file,cubin_file"
-_ROW = re.compile(r"[\w-]+,[\w -=]+,([\w/-]+)\.cu,([\w/-]+)\.cubin", re.ASCII)  # nvFuser's own pattern
+_ROW = re.compile(r"[\w-]+,[\w +=-]+,([\w/-]+)\.cu,([\w/-]+)\.cubin", re.ASCII)  # nvFuser's own pattern
 _state: dict = {}  # "folder": the TMPDIR nvFuser compiles under; "lock": its file, held; "off": why not
+_one_thread = threading.RLock()  # TMPDIR is the process's: one compile at a time swaps it
 
 
 @contextlib.contextmanager
 def compiling():
-    """Around an nvFuser call that may compile: yields its keyword options (`kernel_db` on, and its
-    parallel compile off: the database's reads are not guarded against its writes), or {} when the
-    store is off (the pipeline's cache off, another process holding it, NVFUSER_ENABLE's own kernel_db)."""
-    folder = _folder()
-    if folder is None:
-        yield {}
-        return
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = folder
-    try:
-        yield {"_enable_options": ["kernel_db"], "_disable_options": ["parallel_compile"]}
-    finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
+    """Around an nvFuser call that may compile: its options (`kernel_db` on; parallel compile off: the database's
+    reads are unguarded), or {} when the store is off (no cache, another process's, NVFUSER_ENABLE's own)."""
+    with _one_thread:
+        folder = _folder()
+        if folder is None or not _still_ours(folder):
+            yield {}
+            return
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = folder
+        try:
+            yield {"_enable_options": ["kernel_db"], "_disable_options": ["parallel_compile"]}
+        finally:
+            if before is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = before
 
 
 def status() -> str:
@@ -57,14 +56,14 @@ def _folder() -> str | None:
         return None
     if "folder" in _state or "off" in _state:
         return _state.get("folder")
-    if "kernel_db" in os.environ.get("NVFUSER_ENABLE", "").split(","):
+    if re.search(r"\bkernel_db\b", os.environ.get("NVFUSER_ENABLE", "")):
         _state["off"] = "NVFUSER_ENABLE turns nvFuser's own kernel_db on (in $TMPDIR)"
         return None
+    lock = None
     try:
-        root = artifact_files_dir("nvfuser")
-        if root is None:  # the cache is off now; it may be on for a later model
-            return None
-        folder = os.path.join(root, re.sub(r"[^\w.=-]+", "_", library_version("nvfuser_direct")))
+        root = artifact_files_dir("nvfuser")  # not None: the cache is on
+        # absolute: nvFuser keeps the path it read, and resolves a relative one after any chdir
+        folder = os.path.realpath(os.path.join(root, re.sub(r"[^\w.=-]+", "_", library_version("nvfuser_direct"))))
         os.makedirs(folder, 0o700, exist_ok=True)
         lock = open(os.path.join(folder, "lock"), "a")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -73,6 +72,8 @@ def _folder() -> str | None:
             warnings.warn(f"nvfuser: emptied the kernel store {database}: {why}", PipelineWarning, stacklevel=4)
             _empty(database)
     except OSError as e:
+        if lock is not None:
+            lock.close()
         _state["off"] = f"another process holds {folder}" if isinstance(e, BlockingIOError) else \
             f"{type(e).__name__}: {e}"
         warnings.warn(f"nvfuser: {_state['off']}: this process compiles nvFuser's kernels without keeping "
@@ -82,13 +83,16 @@ def _folder() -> str | None:
     return folder
 
 
+def _still_ours(folder: str) -> bool:
+    """Whether the lock held is the folder's still: a folder removed and made again may be another process's."""
+    with contextlib.suppress(OSError):
+        return os.path.samestat(os.fstat(_state["lock"].fileno()), os.stat(os.path.join(folder, "lock")))
+    return False
+
+
 def _empty(database: str) -> None:
-    if os.path.islink(database) or not os.path.isdir(database):
-        os.remove(database)
-        return
-    for name in os.listdir(database):
-        if name.endswith((".cu", ".cubin", ".csv")):
-            os.remove(os.path.join(database, name))
+    """nvFuser makes it again when it opens its database; a link is removed, not what it names."""
+    (shutil.rmtree if os.path.isdir(database) and not os.path.islink(database) else os.remove)(database)
 
 
 def _inconsistent(database: str) -> str | None:
@@ -98,15 +102,15 @@ def _inconsistent(database: str) -> str | None:
         return None
     if os.path.islink(database) or not os.path.isdir(database):
         return "not a folder"
+    if os.path.islink(csv := os.path.join(database, "db.csv")):
+        return "db.csv is a link"
     try:
-        with open(os.path.join(database, "db.csv"), "rb") as f:
-            rows = f.read().decode("ascii").split("\n")
+        with open(csv, "rb") as f:
+            rows = f.read().decode("ascii").removesuffix("\n").split("\n")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:
         return f"db.csv does not read ({type(e).__name__})"
-    if rows and rows[-1] == "":
-        rows.pop()  # the newline ending the last row
     if not rows or rows[0] != _HEADER:
         return "its db.csv has no header"
     sources = set()
@@ -116,10 +120,10 @@ def _inconsistent(database: str) -> str | None:
             return f"row {i + 1} of db.csv is not kernel_{i}'s"
         for name in (f"kernel_{i}.cu", f"kernel_{i}.cubin"):
             path = os.path.join(database, name)
-            if os.path.islink(path) or not os.path.isfile(path):
-                return f"{name} is not a file"
+            if os.path.islink(path) or not os.path.isfile(path) or not os.path.getsize(path):
+                return f"{name} is not a file, or empty"  # nvFuser does not check its writes (a full disk)
         with open(os.path.join(database, f"kernel_{i}.cu"), "rb") as f:
-            source = f.read()
+            source = hashlib.sha256(f.read()).digest()
         if source in sources:
             return f"kernel_{i}.cu repeats an earlier kernel's source"
         sources.add(source)

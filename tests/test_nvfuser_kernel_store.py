@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import pytest
@@ -48,8 +49,8 @@ def database_of(folder, rows, sources):
     return db
 
 
-def row(i):
-    return f"_ZN11CudaCodeGen7kernel{i}E,--std=c++17 -arch=sm_90 -default-device,kernel_{i}.cu,kernel_{i}.cubin"
+def row(i, args="--std=c++17 --gpu-architecture=sm_90 -default-device --fmad=true -DNDEBUG"):
+    return f"_ZN11CudaCodeGen7kernel{i}E,{args},kernel_{i}.cu,kernel_{i}.cubin"
 
 
 def test_on_with_the_cache_in_its_own_folder_and_tmpdir_restored(cache_root, monkeypatch):
@@ -113,6 +114,15 @@ def test_one_process_at_a_time_holds_the_store(cache_root):
     (lambda db: database_of(os.path.dirname(db), [row(0), "garbage", row(2)], ["a", "b", "c"]), "row 2"),
     (lambda db: (os.remove(os.path.join(db, "kernel_0.cu")), os.symlink("/etc/passwd", os.path.join(db, "kernel_0.cu"))),
      "kernel_0.cu is not a file"),
+    # nvFuser writes compile args its own pattern does not read back (scan/sort kernels' -I/usr/...)
+    (lambda db: database_of(os.path.dirname(db), [row(0), row(1, "--std=c++17 -I/usr/local/cuda/include"), row(2)],
+                            ["a", "b", "c"]), "row 2"),
+    (lambda db: database_of(os.path.dirname(db), [row(0), row(1, "a,b"), row(2)], ["a", "b", "c"]), "row 2"),
+    (lambda db: open(os.path.join(db, "kernel_2.cubin"), "w").close(), "kernel_2.cubin is not a file, or empty"),
+    (lambda db: (os.rename(os.path.join(db, "db.csv"), os.path.join(db, "other")),
+                 os.symlink(os.path.join(db, "other"), os.path.join(db, "db.csv"))), "db.csv is a link"),
+    (lambda db: (os.remove(os.path.join(db, "kernel_1.cu")), os.mkdir(os.path.join(db, "kernel_1.cu"))),
+     "kernel_1.cu is not a file"),
 ])
 def test_a_database_nvfuser_would_misread_is_emptied_first(cache_root, damage, why):
     """nvFuser numbers a new kernel by how many rows it read: a row it skips, or a source twice, would
@@ -131,7 +141,48 @@ def test_a_database_nvfuser_would_misread_is_emptied_first(cache_root, damage, w
             ["db.csv"] + [f"kernel_{i}{e}" for i in range(3) for e in (".cu", ".cubin")])
     else:
         assert len(said) == 1 and why in said[0], said
-        assert os.listdir(db) == [] and os.path.exists("/etc/passwd")
+        assert not os.path.lexists(db) and os.path.exists("/etc/passwd")  # nvFuser makes it again when it opens it
+
+
+def test_threads_swap_tmpdir_one_at_a_time_and_restore_it(cache_root, monkeypatch):
+    monkeypatch.setenv("TMPDIR", "/somewhere")
+    monkeypatch.setattr(sys, "getswitchinterval", sys.getswitchinterval)
+    sys.setswitchinterval(1e-6)
+    seen, errors = [], []
+
+    def compile_a_fusion():
+        try:
+            for _ in range(200):
+                with store.compiling() as options:
+                    seen.append((bool(options), os.environ["TMPDIR"]))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+    try:
+        threads = [threading.Thread(target=compile_a_fusion) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(0.005)
+    folder = store._state["folder"]
+    assert not errors and set(seen) == {(True, folder)} and os.environ["TMPDIR"] == "/somewhere"
+
+
+def test_a_removed_and_remade_folder_is_no_longer_written(cache_root):
+    """The lock held is on the removed folder's file: a new process may hold the new one."""
+    assert options_and_tmpdir()[0]
+    folder = store._state["folder"]
+    os.remove(os.path.join(folder, "lock"))
+    open(os.path.join(folder, "lock"), "a").close()
+    assert options_and_tmpdir()[0] == {}
+
+
+def test_a_relative_cache_root_gives_nvfuser_an_absolute_folder(cache_root, monkeypatch):
+    monkeypatch.chdir(cache_root)
+    set_artifact_files_root("relative")
+    os.makedirs("relative", 0o700)
+    assert os.path.isabs(options_and_tmpdir()[1])
 
 
 def test_a_link_in_place_of_the_database_is_removed_not_followed(cache_root, tmp_path_factory):
@@ -158,10 +209,12 @@ WARM = textwrap.dedent("""
     out = cm(x)
     out.sum().backward()
     table = pipeline.regions(cm)
-    db = os.path.join(store._state["folder"], "nvfuser_kernel_db", "db.csv")
+    folder = os.path.join(store._state["folder"], "nvfuser_kernel_db")
+    db = os.path.join(folder, "db.csv")
     print(json.dumps({"cache": pipeline.compile_stats(cm).cache, "status": store.status(),
                       "nvfuser_regions": sum(r.executor == "nvfuser" for r in table),
-                      "kernels_kept": len(open(db).read().splitlines()) - 1,
+                      "kernels_kept": len(open(db).read().splitlines()) - 1, "db": open(db).read(),
+                      "written": {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)},
                       "values": [t.detach().cpu().flatten().tolist() for t in [out, *(p.grad for p in model.parameters())]]}))
 """)
 
@@ -170,7 +223,7 @@ WARM = textwrap.dedent("""
 def test_a_warm_process_finds_every_nvfuser_kernel_in_the_store(tmp_path):
     """The cold process keeps each kernel nvFuser compiled; the warm one (a cache hit: nvFuser's
     fusions are defined again) compiles none — with kernel_db on, a kernel it did not find would be
-    written as a new row — and computes bit-identical values."""
+    written as a new row, and an emptied store written again — and computes bit-identical values."""
     pytest.importorskip("nvfuser_direct")
     env = {**os.environ, "PIPELINE_CACHE_DIR": str(tmp_path / "cache"), "PIPELINE_CACHE": "1"}
     runs = []
@@ -184,4 +237,5 @@ def test_a_warm_process_finds_every_nvfuser_kernel_in_the_store(tmp_path):
     assert cold["nvfuser_regions"] > 0 and warm["nvfuser_regions"] == cold["nvfuser_regions"]
     assert str(tmp_path / "cache") in warm["status"], warm["status"]
     assert cold["kernels_kept"] > 0 and warm["kernels_kept"] == cold["kernels_kept"], (cold, warm)
+    assert warm["db"] == cold["db"] and warm["written"] == cold["written"]  # nothing written again
     assert warm["values"] == cold["values"]
