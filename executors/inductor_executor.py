@@ -29,10 +29,12 @@ from .inductor_kernels import kernels_awaited_later, wait_for_kernels
 _triton_key_started: list = []  # the thread computing Triton's cache key, once per process
 
 
-def _triton_key() -> None:
-    with contextlib.suppress(Exception):  # no Triton (its stand-in raises): nothing to hash, nothing waits
-        from torch._inductor.runtime.triton_compat import triton_key
-        triton_key()  # functools.lru_cache'd: the next call in any thread returns it
+def _start_triton_key() -> None:
+    """Hashes Triton's sources (`triton_key`, ~0.35 s, cached) in a thread: a warm start's triton.compile waits for it."""
+    from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key  # here: imports in 2 threads may deadlock
+    if HAS_TRITON and torch.cuda.is_available() and not _triton_key_started:
+        _triton_key_started.append(threading.Thread(target=triton_key, name="triton_key", daemon=True))
+        _triton_key_started[0].start()
 
 
 class InductorExecutor(Cacheable, PerModel, PreparesGraph):
@@ -49,14 +51,12 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
 
     def for_model(self) -> "InductorExecutor":
         """Starts Inductor's parallel compile workers now, as torch.compile's backend does on entry:
-        they take seconds to start, and kernels compile serially in this process until they are up. And hashes
-        Triton's sources (`triton_key`, ~0.35 s, once per process) in a thread, which `triton.compile` waits for."""
+        they take seconds to start, and kernels compile serially in this process until they are up."""
         with contextlib.suppress(Exception):  # an optimisation only: without workers, kernels compile in-process
             from torch._inductor.async_compile import maybe_warm_pool
             maybe_warm_pool()
-        if torch.cuda.is_available() and not _triton_key_started:
-            _triton_key_started.append(threading.Thread(target=_triton_key, name="triton_key", daemon=True))
-            _triton_key_started[0].start()
+        with contextlib.suppress(Exception):  # the same
+            _start_triton_key()
         return self
 
     def unavailable_reason(self) -> str | None:

@@ -114,10 +114,12 @@ def test_triton_key_is_hashed_once_per_process_in_a_thread_when_a_gpu_is_there(m
     is computed in a thread from the first jit on, once."""
     import threading
     from executors import inductor_executor
+    from torch._inductor.runtime import triton_compat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(inductor_executor, "_triton_key_started", [])
     ran = []
-    monkeypatch.setattr(inductor_executor, "_triton_key", lambda: ran.append(threading.current_thread().name))
+    monkeypatch.setattr(triton_compat, "HAS_TRITON", True)
+    monkeypatch.setattr(triton_compat, "triton_key", lambda: ran.append(threading.current_thread().name))
     for _ in range(3):
         inductor_executor.InductorExecutor().for_model()
     inductor_executor._triton_key_started[0].join(timeout=10)
