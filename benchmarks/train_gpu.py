@@ -321,6 +321,11 @@ def run_row(name, how, config, batches, args):
         extra["slowest_regions"] = [f"{r.stage} {r.id} {r.executor} {r.op_count} ops {r.compile_seconds:.2f} s"
                                     for r in sorted(table, key=lambda r: -r.compile_seconds)[:25]
                                     if r.compile_seconds > 0.02]
+        # the same seconds summed by executor (a warm start's "cache load": which executor's regions it is)
+        seconds_by_executor = collections.Counter()
+        for r in table:
+            seconds_by_executor[r.executor] += r.compile_seconds
+        extra["region_seconds_by_executor"] = {k: round(v, 2) for k, v in seconds_by_executor.most_common()}
         extra["autotune"] = [line for line in str(table).splitlines() if " autotuned: " in line]
         graphs = pipeline.compile_stats(step_fn).cuda_graphs
         if graphs:
