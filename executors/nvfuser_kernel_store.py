@@ -21,6 +21,7 @@ from .base import library_version
 
 _HEADER = "kernel_signature,compile_args,kernel_code_file,cubin_file"
 _ROW = re.compile(r"[\w-]+,[\w +=-]+,([\w/-]+)\.cu,([\w/-]+)\.cubin", re.ASCII)  # nvFuser's own pattern
+MAX_KERNELS = 20000  # beyond, it starts again: kernel names hold their fusion's order, so other models add rows
 _state: dict = {}  # "folder": the TMPDIR nvFuser compiles under; "lock": its file, held; "off": why not
 _one_thread = threading.RLock()  # TMPDIR is the process's: one compile at a time swaps it
 
@@ -102,17 +103,15 @@ def _inconsistent(database: str) -> str | None:
         return None
     if os.path.islink(database) or not os.path.isdir(database):
         return "not a folder"
-    if os.path.islink(csv := os.path.join(database, "db.csv")):
-        return "db.csv is a link"
-    try:
-        with open(csv, "rb") as f:
+    try:  # not through a link
+        with open(os.open(os.path.join(database, "db.csv"), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             rows = f.read().decode("ascii").removesuffix("\n").split("\n")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:
         return f"db.csv does not read ({type(e).__name__})"
-    if not rows or rows[0] != _HEADER:
-        return "its db.csv has no header"
+    if not rows or rows[0] != _HEADER or len(rows) > MAX_KERNELS + 1:  # each process reads them all
+        return f"its db.csv has no header, or more than {MAX_KERNELS} kernels"
     sources = set()
     for i, row in enumerate(rows[1:]):
         match = _ROW.fullmatch(row)

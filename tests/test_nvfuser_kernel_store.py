@@ -110,6 +110,7 @@ def test_one_process_at_a_time_holds_the_store(cache_root):
     (lambda db: None, None),
     (lambda db: os.remove(os.path.join(db, "kernel_1.cubin")), "kernel_1.cubin is not a file"),
     (lambda db: database_of(os.path.dirname(db), [row(0), row(2)], ["a", "b", "c"]), "row 2"),
+    (lambda db: open(os.path.join(db, "db.csv"), "w").write("blah\n" + row(0)), "has no header"),
     (lambda db: database_of(os.path.dirname(db), [row(0), row(1)], ["a", "a"]), "repeats"),
     (lambda db: database_of(os.path.dirname(db), [row(0), "garbage", row(2)], ["a", "b", "c"]), "row 2"),
     (lambda db: (os.remove(os.path.join(db, "kernel_0.cu")), os.symlink("/etc/passwd", os.path.join(db, "kernel_0.cu"))),
@@ -120,7 +121,7 @@ def test_one_process_at_a_time_holds_the_store(cache_root):
     (lambda db: database_of(os.path.dirname(db), [row(0), row(1, "a,b"), row(2)], ["a", "b", "c"]), "row 2"),
     (lambda db: open(os.path.join(db, "kernel_2.cubin"), "w").close(), "kernel_2.cubin is not a file, or empty"),
     (lambda db: (os.rename(os.path.join(db, "db.csv"), os.path.join(db, "other")),
-                 os.symlink(os.path.join(db, "other"), os.path.join(db, "db.csv"))), "db.csv is a link"),
+                 os.symlink(os.path.join(db, "other"), os.path.join(db, "db.csv"))), "db.csv does not read"),
     (lambda db: (os.remove(os.path.join(db, "kernel_1.cu")), os.mkdir(os.path.join(db, "kernel_1.cu"))),
      "kernel_1.cu is not a file"),
 ])
@@ -142,6 +143,19 @@ def test_a_database_nvfuser_would_misread_is_emptied_first(cache_root, damage, w
     else:
         assert len(said) == 1 and why in said[0], said
         assert not os.path.lexists(db) and os.path.exists("/etc/passwd")  # nvFuser makes it again when it opens it
+
+
+def test_a_store_grown_past_its_cap_starts_again(cache_root, monkeypatch):
+    """Kernel names hold their fusion's order in the process, so runs of other models add rows rather
+    than find them: past the cap the store is emptied, not read whole by every process."""
+    monkeypatch.setattr(store, "MAX_KERNELS", 2)
+    folder = store._folder()
+    store._state.pop("lock").close()
+    store._state.clear()
+    db = database_of(folder, [row(0), row(1), row(2)], ["a", "b", "c"])
+    with pytest.warns(PipelineWarning, match="or more than 2 kernels"):
+        store._folder()
+    assert not os.path.lexists(db)
 
 
 def test_threads_swap_tmpdir_one_at_a_time_and_restore_it(cache_root, monkeypatch):
