@@ -11,8 +11,8 @@ import pickle
 import shutil
 import stat
 import sys
-import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -26,15 +26,15 @@ from .decompose import NotDecomposable, decompose_graph
 from .inductor_kernels import kernels_awaited_later, wait_for_kernels
 
 
-_triton_key_started: list = []  # the thread computing Triton's cache key, once per process
+_triton_key_started: list = []  # the future of Triton's cache key, computed once per process
 
 
 def _start_triton_key() -> None:
     """Hashes Triton's sources (`triton_key`, ~0.35 s, cached) in a thread: a warm start's triton.compile waits for it."""
-    from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key  # here: imports in 2 threads may deadlock
-    if HAS_TRITON and torch.cuda.is_available() and not _triton_key_started:
-        _triton_key_started.append(threading.Thread(target=triton_key, name="triton_key", daemon=True))
-        _triton_key_started[0].start()
+    if torch.cuda.is_available() and not _triton_key_started:
+        from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key  # here: imports in 2 threads may deadlock
+        if HAS_TRITON:  # a future: an exception stays in it, unraised
+            _triton_key_started.append(ThreadPoolExecutor(1, "triton_key").submit(triton_key))
 
 
 class InductorExecutor(Cacheable, PerModel, PreparesGraph):

@@ -1,8 +1,7 @@
-"""nvFuser's compiled kernels kept between processes, in a folder of the pipeline's cache (docs/cache.md,
-"nvFuser's kernels"): nvFuser's own kernel database (`kernel_db`: a kernel's source and compile flags →
-its cubin), found through TMPDIR while nvFuser compiles, used by one process at a time (a lock held until
-it exits), and emptied before nvFuser reads it unless each row names its own numbered files, in order,
-each source once (nvFuser numbers a new kernel by how many rows it read, and trusts what it reads).
+"""nvFuser's compiled kernels kept between processes (docs/cache.md, "nvFuser's kernels"): nvFuser's own kernel
+database (`kernel_db`: a kernel's source and compile flags → its cubin) in a folder of the pipeline's cache, found
+through TMPDIR while nvFuser compiles, one process at a time, emptied before nvFuser reads it unless each row names
+its own numbered files, in order, each source once (nvFuser numbers a new kernel by how many rows it read).
 """
 
 import contextlib
@@ -21,7 +20,7 @@ from .base import library_version
 
 _HEADER = "kernel_signature,compile_args,kernel_code_file,cubin_file"
 _ROW = re.compile(r"[\w-]+,[\w +=-]+,([\w/-]+)\.cu,([\w/-]+)\.cubin", re.ASCII)  # nvFuser's own pattern
-MAX_KERNELS = 20000  # beyond, it starts again: kernel names hold their fusion's order, so other models add rows
+MAX_KERNELS = 4096  # beyond, it starts again: kernel names hold their fusion's order, so other models add rows
 _state: dict = {}  # "folder": the TMPDIR nvFuser compiles under; "lock": its file, held; "off": why not
 _one_thread = threading.RLock()  # TMPDIR is the process's: one compile at a time swaps it
 
@@ -32,18 +31,18 @@ def compiling():
     reads are unguarded), or {} when the store is off (no cache, another process's, NVFUSER_ENABLE's own)."""
     with _one_thread:
         folder = _folder()
-        if folder is None or not _still_ours(folder):
-            yield {}
+        if folder is not None and _still_ours(folder):
+            before = os.environ.get("TMPDIR")
+            os.environ["TMPDIR"] = folder
+            try:
+                yield {"_enable_options": ["kernel_db"], "_disable_options": ["parallel_compile"]}
+            finally:
+                if before is None:
+                    os.environ.pop("TMPDIR", None)
+                else:
+                    os.environ["TMPDIR"] = before
             return
-        before = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = folder
-        try:
-            yield {"_enable_options": ["kernel_db"], "_disable_options": ["parallel_compile"]}
-        finally:
-            if before is None:
-                os.environ.pop("TMPDIR", None)
-            else:
-                os.environ["TMPDIR"] = before
+    yield {}  # outside the lock: compiles without the store need not wait for each other
 
 
 def status() -> str:
@@ -97,14 +96,16 @@ def _empty(database: str) -> None:
 
 
 def _inconsistent(database: str) -> str | None:
-    """Why nvFuser could pair a source with another kernel's cubin if it read `database`, or None:
-    nvFuser numbers its next kernel by how many rows it read, so every row must be read, in order."""
+    """Why nvFuser could pair a source with another kernel's cubin (or wait) if it read `database`, or None."""
     if not os.path.lexists(database):
         return None
     if os.path.islink(database) or not os.path.isdir(database):
         return "not a folder"
-    try:  # not through a link
-        with open(os.open(os.path.join(database, "db.csv"), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+    csv = os.path.join(database, "db.csv")
+    if os.path.islink(csv) or os.path.lexists(csv) and not os.path.isfile(csv):  # a FIFO's read would wait
+        return "db.csv is not a file"
+    try:
+        with open(csv, "rb") as f:
             rows = f.read().decode("ascii").removesuffix("\n").split("\n")
     except FileNotFoundError:
         return None

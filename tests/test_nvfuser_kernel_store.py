@@ -67,7 +67,7 @@ def test_off_without_the_cache_or_when_nvfuser_enable_has_its_own(cache_root, mo
     set_artifact_files_root(None)
     assert options_and_tmpdir()[0] == {} and not (cache_root / "nvfuser").exists()
     set_artifact_files_root(str(cache_root))
-    monkeypatch.setenv("NVFUSER_ENABLE", "id_model,kernel_db")
+    monkeypatch.setenv("NVFUSER_ENABLE", "id_model,kernel_db(/elsewhere)")
     assert options_and_tmpdir()[0] == {} and "NVFUSER_ENABLE" in store.status()
 
 
@@ -121,7 +121,8 @@ def test_one_process_at_a_time_holds_the_store(cache_root):
     (lambda db: database_of(os.path.dirname(db), [row(0), row(1, "a,b"), row(2)], ["a", "b", "c"]), "row 2"),
     (lambda db: open(os.path.join(db, "kernel_2.cubin"), "w").close(), "kernel_2.cubin is not a file, or empty"),
     (lambda db: (os.rename(os.path.join(db, "db.csv"), os.path.join(db, "other")),
-                 os.symlink(os.path.join(db, "other"), os.path.join(db, "db.csv"))), "db.csv does not read"),
+                 os.symlink(os.path.join(db, "other"), os.path.join(db, "db.csv"))), "db.csv is not a file"),
+    (lambda db: (os.remove(os.path.join(db, "db.csv")), os.mkfifo(os.path.join(db, "db.csv"))), "db.csv is not a file"),
     (lambda db: (os.remove(os.path.join(db, "kernel_1.cu")), os.mkdir(os.path.join(db, "kernel_1.cu"))),
      "kernel_1.cu is not a file"),
 ])
