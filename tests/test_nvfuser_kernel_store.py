@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import pytest
@@ -160,28 +161,32 @@ def test_a_store_grown_past_its_cap_starts_again(cache_root, monkeypatch):
 
 
 def test_threads_swap_tmpdir_one_at_a_time_and_restore_it(cache_root, monkeypatch):
+    """TMPDIR is the process's: a second thread compiling waits for the first, or the first's restore
+    would leave the second compiling elsewhere, and the second's leave TMPDIR pointing at the store."""
     monkeypatch.setenv("TMPDIR", "/somewhere")
-    monkeypatch.setattr(sys, "getswitchinterval", sys.getswitchinterval)
-    sys.setswitchinterval(1e-6)
-    seen, errors = [], []
+    inside, release, order = threading.Event(), threading.Event(), []
 
-    def compile_a_fusion():
-        try:
-            for _ in range(200):
-                with store.compiling() as options:
-                    seen.append((bool(options), os.environ["TMPDIR"]))
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-    try:
-        threads = [threading.Thread(target=compile_a_fusion) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(0.005)
-    folder = store._state["folder"]
-    assert not errors and set(seen) == {(True, folder)} and os.environ["TMPDIR"] == "/somewhere"
+    def first():
+        with store.compiling():
+            order.append("first in")
+            inside.set()
+            release.wait(10)
+            order.append("first out")
+
+    def second():
+        inside.wait(10)
+        with store.compiling():
+            order.append(("second in", os.environ["TMPDIR"]))
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    inside.wait(10)
+    time.sleep(0.3)  # the second thread is at its compile by now
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert order == ["first in", "first out", ("second in", store._state["folder"])], order
+    assert os.environ["TMPDIR"] == "/somewhere"
 
 
 def test_a_removed_and_remade_folder_is_no_longer_written(cache_root):
