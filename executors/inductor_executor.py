@@ -9,7 +9,6 @@ import os
 import pathlib
 import pickle
 import shutil
-import stat
 import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from .artifact_files import artifact_files_dir, write_file
+from .artifact_files import Skipped, Untrusted, artifact_files_dir, read_file, write_file
 from .base import Cacheable, PerModel, PreparesGraph, RegionDeclined
 from .graph_utils import (computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,
                           meta_strides_unreliable, op_name, promised_strides)
@@ -277,12 +276,9 @@ def _put_verified(root: str, rel: str, content: bytes) -> None:
     path = os.path.normpath(os.path.join(root, rel))
     if not path.startswith(root + os.sep):
         raise ValueError(f"artifact file {rel!r} lies outside the kernel directory")
-    want = hashlib.sha256(content).hexdigest()
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            if stat.S_ISREG(os.fstat(f.fileno()).st_mode) and hashlib.sha256(f.read()).hexdigest() == want:
-                return
+    with contextlib.suppress(OSError, Skipped, Untrusted):  # else (absent, a link, not ours) written anew
+        if read_file(path, "kernel file") == content:
+            return
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     write_file(path, content, 0o700 if path.endswith(".so") else 0o600)
 

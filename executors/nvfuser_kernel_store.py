@@ -15,7 +15,7 @@ import warnings
 
 from ir import PipelineWarning
 
-from .artifact_files import artifact_files_dir, cache_on
+from .artifact_files import Skipped, Untrusted, artifact_files_dir, cache_on, read_file
 from .base import library_version
 
 _HEADER = "kernel_signature,compile_args,kernel_code_file,cubin_file"
@@ -101,14 +101,12 @@ def _inconsistent(database: str) -> str | None:
         return None
     if os.path.islink(database) or not os.path.isdir(database):
         return "not a folder"
-    csv = os.path.join(database, "db.csv")
-    if os.path.islink(csv) or os.path.lexists(csv) and not os.path.isfile(csv):  # a FIFO's read would wait
-        return "db.csv is not a file"
-    try:
-        with open(csv, "rb") as f:
-            rows = f.read().decode("ascii").removesuffix("\n").split("\n")
+    try:  # a regular file of ours, not a link (nor a FIFO, whose read would wait)
+        rows = read_file(os.path.join(database, "db.csv"), "db.csv").decode("ascii").removesuffix("\n").split("\n")
     except FileNotFoundError:
         return None
+    except (Skipped, Untrusted) as e:
+        return str(e)
     except (OSError, UnicodeDecodeError) as e:
         return f"db.csv does not read ({type(e).__name__})"
     if not rows or rows[0] != _HEADER or len(rows) > MAX_KERNELS + 1:  # each process reads them all
@@ -118,12 +116,15 @@ def _inconsistent(database: str) -> str | None:
         match = _ROW.fullmatch(row)
         if match is None or match.groups() != (f"kernel_{i}", f"kernel_{i}"):
             return f"row {i + 1} of db.csv is not kernel_{i}'s"
-        for name in (f"kernel_{i}.cu", f"kernel_{i}.cubin"):
-            path = os.path.join(database, name)
-            if os.path.islink(path) or not os.path.isfile(path) or not os.path.getsize(path):
-                return f"{name} is not a file, or empty"  # nvFuser does not check its writes (a full disk)
-        with open(os.path.join(database, f"kernel_{i}.cu"), "rb") as f:
-            source = hashlib.sha256(f.read()).digest()
+        try:  # nvFuser does not check its writes (a full disk): each file regular, ours, not empty
+            files = [read_file(os.path.join(database, f"kernel_{i}{ext}"), f"kernel_{i}{ext}") for ext in (".cu", ".cubin")]
+        except (Skipped, Untrusted) as e:
+            return str(e)
+        except OSError as e:
+            return f"kernel_{i}'s files do not read ({type(e).__name__})"
+        if not all(files):
+            return f"kernel_{i}'s .cu or .cubin is empty"
+        source = hashlib.sha256(files[0]).digest()
         if source in sources:
             return f"kernel_{i}.cu repeats an earlier kernel's source"
         sources.add(source)

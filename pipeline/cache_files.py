@@ -11,32 +11,11 @@ import stat
 import tempfile
 from typing import Optional
 
-from executors.artifact_files import write_file  # noqa: F401 - the cache writes its entries with it
+# the trust checks of files, shared with executors (which may not import pipeline); the cache writes its entries with write_file
+from executors.artifact_files import (MAX_ENTRY_BYTES, Skipped, Untrusted, check_owned, read_file,  # noqa: F401
+                                      write_file)
 
-MAX_ENTRY_BYTES = 1 << 30
 SECRET_NAME = "secret.key"
-
-
-class Untrusted(Exception):
-    """A cache path someone else could have written; the message names it and the fix."""
-
-
-class Skipped(Exception):
-    """An entry path holding something that is not read (a link, a FIFO, an oversized or
-    unauthentic file); the message says which. The entry is recompiled and replaced."""
-
-
-def check_owned(path: str, st: os.stat_result, what: str, private: bool = False) -> None:
-    """Raises `Untrusted` unless `st` (of `path`) is owned by this user and not group/other-writable
-    (nor group/other-readable when `private`)."""
-    uid = os.getuid()
-    if st.st_uid != uid:
-        raise Untrusted(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {uid}); "
-                        f"remove it, or point PIPELINE_CACHE_DIR at a directory of your own")
-    if st.st_mode & (0o077 if private else 0o022):
-        mode = "0600" if private else ("0700" if stat.S_ISDIR(st.st_mode) else "0600")
-        raise Untrusted(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: group or others can "
-                        f"{'read or write' if private else 'write'} it; run `chmod {mode} {path}`")
 
 
 def private_dir(path: str, what: str = "cache directory") -> str:
@@ -92,40 +71,6 @@ def secret(root: str) -> bytes:
     raise Untrusted(f"cache key {path} could not be made")  # pragma: no cover - removed while we ran
 
 
-def read_file(path: str, what: str = "entry", *, private: bool = False, limit: int = MAX_ENTRY_BYTES) -> bytes:
-    """The bytes of the regular file `path`, its size checked before it is read. Raises FileNotFoundError,
-    `Skipped` (a link, not a regular file, too large) or `Untrusted` (not ours, writable by others)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        if os.path.islink(path):
-            raise Skipped(f"{what} {path} is a symbolic link") from None
-        raise Skipped(f"{what} {path} could not be opened ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Skipped(f"{what} {path} is not a regular file (mode {st.st_mode:o})")
-        check_owned(path, st, what, private)
-        if st.st_size > limit:
-            raise Skipped(f"{what} {path} is {st.st_size} bytes, over the {limit}-byte limit")
-        chunks, left = [], st.st_size + 1  # one more byte: a file that grew is noticed
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
-        if len(data) > st.st_size:
-            raise Skipped(f"{what} {path} grew while it was read")
-        return data
-    finally:
-        os.close(fd)
-
-
-# -- authenticated payloads -----------------------------------------------------------------------
 def seal(key: bytes, name: str, payload: bytes, magic: bytes) -> bytes:
     """`magic`, the HMAC-SHA256 of `name` and `payload` under `key` (hex), a newline, `payload`.
     The name is in the MAC, so an entry moved to another entry's path does not authenticate."""
