@@ -369,7 +369,8 @@ def main():
     parser.add_argument("--saved-tensors", action="store_true",
                         help="+ what a step keeps for its backward, by dtype and shape (rows without CUDA graphs)")
     parser.add_argument("--first-step-profile", action="store_true",
-                        help="where the first step's host time goes (cProfile: compile, cache loads, capture)")
+                        help="where the first step's host time goes (cProfile: compile, cache loads, capture); "
+                             "with --cache only the last warm run is profiled, so the others' times stay clean")
     parser.add_argument("--trace-dir", default=None, help="with --profile: keep each row's chrome trace here")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds per row, compile included")
@@ -474,7 +475,8 @@ def run_in_subprocess(name, args, kept_caches=None):
         cmd += ["--profile"] if args.profile else []
         cmd += ["--trace-dir", args.trace_dir] if args.trace_dir else []
         cmd += ["--host-profile"] if args.host_profile else []
-        cmd += ["--first-step-profile"] if args.first_step_profile else []
+        last_warm = f"({'warm' if args.warm_runs < 2 else f'warm {args.warm_runs}'})"
+        cmd += ["--first-step-profile"] if args.first_step_profile and (not kept_caches or name.endswith(last_warm)) else []
         cmd += ["--saved-tensors"] if args.saved_tensors else []
         cmd += ["--without", *args.without] if args.without else []
         try:

@@ -2,10 +2,15 @@
 (docs/cache.md). A plain fake tensor (static sizes, strided, no autograd, no subclass) is stored as its
 sizes, strides, offset, dtype, device and an id of its storage, so tensors that shared memory share it
 again after loading (dispatch's donation decisions read that); anything else goes through torch's own
-description. Debug metadata is left out. What the warm start stores is an execution trace's module
-before its regions were built (`executors.plan.unbuilt`): identical regions share one graph."""
+description. Debug metadata is left out. A graph is stored as its nodes in order, each made again by
+`Graph.create_node` as it is read (a node's arguments are nodes read before it, found by pickle's
+memo), not through GraphPickler's node records, whose pytree maps were half of a warm start's load.
+What the warm start stores is an execution trace's module before its regions were built
+(`executors.plan.unbuilt`): identical regions share one graph (and one module, by pickle's memo)."""
 
 import contextlib
+import operator
+import pickle
 
 import torch
 import torch.fx as fx
@@ -31,21 +36,27 @@ def dumps(gm: fx.GraphModule) -> bytes:
 
 def loads(data: bytes) -> fx.GraphModule:
     """The module `dumps` stored, its submodules (lazily generated) graph modules again."""
-    gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
-    made: dict[int, fx.GraphModule] = {}  # submodules stored once stay shared
-    for name, sub in list(gm._modules.items()):  # not named_children(): it yields a shared module once
-        if id(sub) not in made:
-            made[id(sub)] = _LazyGraphModule(sub, sub.graph, class_name=name)
-        gm._modules[name] = made[id(sub)]
-    return _LazyGraphModule(gm, gm.graph, class_name="executed")
+    return GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
 
 
 class _StagePickler(GraphPickler):
     def __init__(self, file, options=None):
         super().__init__(file, options)
         self._storage_ids: dict[StorageWeakRef, int] = {}
+        self._nodes_stored: set[fx.Node] = set()
 
     def reducer_override(self, obj):
+        if isinstance(obj, fx.GraphModule):  # its graph, then every node in order, then what they name
+            named = {n.target: operator.attrgetter(n.target)(obj) for n in obj.graph.nodes
+                     if n.op in ("call_module", "get_attr")}
+            return _graph_module, (obj.graph, tuple(obj.graph.nodes), named, type(obj).__name__, obj.meta)
+        if type(obj) is fx.Graph:
+            return _graph, (obj._codegen,)
+        if type(obj) is fx.Node:
+            if not self._nodes_stored.issuperset(obj.all_input_nodes):
+                raise pickle.PicklingError(f"node {obj.name} is stored before an input of it")
+            self._nodes_stored.add(obj)
+            return _node, (obj.graph, obj.op, obj.name, obj.target, obj.args, obj.kwargs, obj.type, obj.meta)
         if type(obj) is FakeTensor and _plain(obj):
             storage = obj.untyped_storage()
             sid = self._storage_ids.setdefault(StorageWeakRef(storage), len(self._storage_ids))
@@ -60,6 +71,26 @@ def _plain(t: FakeTensor) -> bool:
     nbytes = t.untyped_storage().nbytes()
     return all(type(s) is int for s in (*t.shape, *t.stride(), t.storage_offset(), nbytes)) \
         and nbytes % t.element_size() == 0
+
+
+def _graph(codegen) -> fx.Graph:
+    graph = fx.Graph()
+    graph._codegen = codegen
+    return graph
+
+
+def _node(graph: fx.Graph, op: str, name: str, target, args, kwargs, type_, meta: dict) -> fx.Node:
+    node = graph.create_node(op, target, args, kwargs, name, type_)
+    if node.name != name:
+        raise pickle.UnpicklingError(f"stored node {name!r} came back as {node.name!r}")
+    node.meta = meta
+    return node
+
+
+def _graph_module(graph: fx.Graph, nodes: tuple, named: dict, class_name: str, meta: dict) -> fx.GraphModule:
+    gm = _LazyGraphModule(named, graph, class_name=class_name)  # its code generated when first needed
+    gm.meta = meta
+    return gm
 
 
 def _fake_tensor(state, sid: int, nbytes: int, shape, stride, offset: int, dtype, device) -> FakeTensor:

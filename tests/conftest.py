@@ -154,7 +154,7 @@ def general_gemm(A, B, out_dtype=None, layout="TN", bias=None, grad=False, **kwa
     if bias is not None and not grad:
         out = out + bias.float()
     elif bias is not None:
-        bias_grad = b.float().sum(0).to(out_dtype)
+        bias_grad = b.float().sum(1).to(out_dtype)  # over the contracted dim: one per row of the output
     return out.to(out_dtype), bias_grad, None, None
 
 
