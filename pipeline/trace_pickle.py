@@ -1,12 +1,11 @@
-"""A stage's graph as bytes, for the warm start: torch's GraphPickler, minus what costs and is unused
-(docs/cache.md). A plain fake tensor (static sizes, strided, no autograd, no subclass) is stored as its
-sizes, strides, offset, dtype, device and an id of its storage, so tensors that shared memory share it
-again after loading (dispatch's donation decisions read that); anything else goes through torch's own
-description. Debug metadata is left out. A graph is stored as its nodes in order, each made again by
-`Graph.create_node` as it is read (a node's arguments are nodes read before it, found by pickle's
-memo), not through GraphPickler's node records, whose pytree maps were half of a warm start's load.
-What the warm start stores is an execution trace's module before its regions were built
-(`executors.plan.unbuilt`): identical regions share one graph (and one module, by pickle's memo)."""
+"""A stage's graph as bytes, for the warm start (docs/cache.md). Each graph is its nodes in order, each
+made again by `Graph.create_node` as it is read (its arguments, earlier nodes, found by pickle's memo):
+GraphPickler's node records cost two pytree maps a node, half of loading a stage. A plain fake tensor
+(static sizes, strided, no autograd, no subclass) is its sizes, strides, offset, dtype, device and an id
+of its storage, so tensors that shared memory share it again (dispatch's donation decisions read
+that); anything else goes through GraphPickler. Debug metadata is left out. What is stored is an
+execution trace's module before its regions were built (`executors.plan.unbuilt`): identical regions
+share one graph module."""
 
 import contextlib
 import operator
@@ -80,9 +79,7 @@ def _graph(codegen) -> fx.Graph:
 
 
 def _node(graph: fx.Graph, op: str, name: str, target, args, kwargs, type_, meta: dict) -> fx.Node:
-    node = graph.create_node(op, target, args, kwargs, name, type_)
-    if node.name != name:
-        raise pickle.UnpicklingError(f"stored node {name!r} came back as {node.name!r}")
+    node = graph.create_node(op, target, args, kwargs, name, type_)  # names are unique: each comes back as it was
     node.meta = meta
     return node
 
