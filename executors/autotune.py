@@ -1,9 +1,6 @@
-"""Executors chosen by measured time (`pipeline.jit(..., autotune=True)`; docs/executors.md).
-
-A region more than one listed executor can take whole is compiled by each (`Race`); at its first
-call each candidate runs on that call's inputs (a warm-up, then the median of `RUNS`; on a GPU, of
-the GPU's time only: launches wait behind a GPU sleep, as CUDA graphs replay them) and the fastest
-runs it; one listed earlier wins a tie within noise. Measuring changes nothing the step computes."""
+"""Executors chosen by measured time (`pipeline.jit(..., autotune=True)`; docs/executors.md): a region
+more than one listed executor takes whole is compiled by each (`Race`) and, at its first call, timed
+on that call's inputs (median of `RUNS`; on a GPU its GPU time only); ties go to the one listed first."""
 
 import statistics
 import time

@@ -1,10 +1,6 @@
-"""The `nvfuser` executor: runs a region of ATen ops as one nvFuser `FusionDefinition`.
-
-It claims the ops of `nvfuser_ops.CLAIMS` for nodes whose tensors are all on its device in a dtype
-nvFuser takes; matmuls, attention, indexing and resizing (slice, cat: measured slower, docs/executors.md)
-go to the executors after it. Sizes are symbolic except size-1 dims; definitions are cached per input
-signature (dtype, rank, contiguity, size-1 pattern). Here: the executor, its runner, the fusion cache.
-"""
+"""The `nvfuser` executor: runs a region of ATen ops as one nvFuser `FusionDefinition`. It claims the ops
+of `nvfuser_ops.CLAIMS` on its device in dtypes nvFuser takes (what goes elsewhere and why: docs/executors.md).
+Sizes are symbolic except size-1 dims; definitions are cached per input signature."""
 
 import warnings
 from typing import Sequence

@@ -1,8 +1,6 @@
-"""nvFuser's compiled kernels kept between processes (docs/cache.md, "nvFuser's kernels"): nvFuser's own kernel
-database (`kernel_db`: a kernel's source and compile flags → its cubin) in a folder of the pipeline's cache, found
-through TMPDIR while nvFuser compiles, one process at a time, emptied before nvFuser reads it unless each row names
-its own numbered files, in order, each source once (nvFuser numbers a new kernel by how many rows it read).
-"""
+"""nvFuser's compiled kernels kept between processes (docs/cache.md, "nvFuser's kernels"): its own `kernel_db`
+in a folder of the pipeline's cache, through TMPDIR while it compiles, one process at a time, emptied before
+nvFuser reads it unless each row names its own numbered files, in order, each source once."""
 
 import contextlib
 import fcntl

@@ -1,9 +1,5 @@
-"""Dispatch: turns an ATen trace into an execution trace whose ops are compiled regions.
-
-`dispatch(trace, executors)` assigns ops (lazy decomposition included), partitions them into regions, compiles
-each region with its executor — falling back to the next listed executor that claims the whole region, then to
-`torch`, when compilation fails — and returns an `Execution`: the execution trace (one `call_module` per region,
-printable and runnable) plus a `Region` per region."""
+"""Dispatch (`dispatch`): an ATen trace becomes an execution trace whose ops are compiled regions (one
+`call_module` each, printable and runnable), a `Region` describing each."""
 
 import contextlib
 import dataclasses

@@ -1,14 +1,10 @@
-"""The `te` executor: linear layers through Transformer Engine GEMMs, in bf16 or fp8.
-
-After AOTAutograd no `linear` is left, so when `te` is listed the linears of the captured (torch
-level) trace are swapped, before autodiff, for the custom op `pipeline_te::linear`, which carries its
-own autograd: TE's forward GEMM, and TE's own dgrad/wgrad GEMMs in `pipeline_te::linear_backward`.
-AOTAutograd keeps both as single ops, and this operator executor claims them.
+"""The `te` executor: linear layers through Transformer Engine GEMMs, in bf16 or fp8. When `te` is listed the
+captured trace's linears are swapped, before autodiff, for the custom op `pipeline_te::linear`, which carries its
+own autograd (TE's dgrad/wgrad GEMMs in `pipeline_te::linear_backward`); AOTAutograd keeps both as single ops.
 
     pipeline.jit(model, executors=[te.fp8(DelayedScaling()), "inductor"])   # or te (bf16), te.fp8() (current)
 
-Recipes, fp8 formats, the delayed-scaling state (`te_scaling.py`) and what TE does not take:
-docs/executors.md, "`te`"."""
+Recipes, fp8 formats, the delayed-scaling state (`te_scaling.py`), what TE does not take: docs/executors.md."""
 
 import math
 import operator

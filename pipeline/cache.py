@@ -1,11 +1,6 @@
-"""The on-disk cache of compiled artifacts, one entry per captured graph (docs/cache.md).
-
-Key: a hash of everything compiled code depends on — the captured graph and its inputs' metadata, the
-passes (name, source, closure), the transforms, the executors and their `cache_token`s, global modes,
-the torch and Python versions, and the pipeline's own source. Entry: each stage's trace and regions,
-the runtime wrappers' metadata, each region's artifact keyed by the region's own hash, and
-AOTAutograd's entry, so a hit captures, then loads instead of lowering (`warm_start`) or compiling.
-Only entries this user wrote and sealed are read (`cache_files`); writes are atomic (`os.replace`)."""
+"""The on-disk cache of compiled artifacts, one entry per captured graph (docs/cache.md: what the key
+hashes, what an entry holds, and the trust model). A hit captures, then loads instead of lowering
+(`warm_start`) or compiling; only entries this user wrote and sealed are read (`cache_files`)."""
 
 import atexit
 import functools

@@ -1,10 +1,7 @@
-"""Capture for models that differentiate inside forward (`torch.autograd.grad(..., create_graph=True)`,
-e.g. forces = -dE/dpositions): the forward is traced with `make_fx` through the inner gradient, since
-Dynamo breaks the graph there (docs/design.md, "Stages").
-
-The trap: the engine hands saved activations to backward formulas through `aten.detach`, which would
-cut the dependence of the forces on the parameters and give plausible but wrong parameter gradients.
-Those detaches are removed; detaches the user wrote are marked while tracing and kept."""
+"""Capture for models that differentiate inside forward (`torch.autograd.grad(..., create_graph=True)`):
+traced with `make_fx` through the inner gradient (docs/design.md, "Stages"). The engine hands saved
+activations to backward formulas through `aten.detach`, which would cut the forces' dependence on the
+parameters: those detaches are removed; detaches the user wrote are marked while tracing and kept."""
 
 import dataclasses
 import types

@@ -1,10 +1,6 @@
-"""What the forward saves for the backward (why, with the numbers: docs/passes.md, `save_policy`).
-
-`recompute_upcasts` tags every forward value that is a full-size fp32 function of one upcast
-half-precision value for recomputation, on the joint graph: the min-cut partitioner then saves the
-half-precision value (bf16 logits) or a reduction instead of an fp32 intermediate twice its size.
-`recompute_fp8_casts` tags fp8 casts made in the graph (their byte views and transposes, and the
-copies they read) the same way: made in the backward from what the forward keeps anyway."""
+"""What the forward saves for the backward (why, with the numbers: docs/passes.md, `save_policy`):
+`recompute_upcasts` has a full-size fp32 function of one upcast half-precision value recomputed, so the
+partitioner saves the half-precision value instead; `recompute_fp8_casts` does the same for fp8 casts."""
 
 import torch
 import torch.fx as fx

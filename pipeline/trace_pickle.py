@@ -1,11 +1,8 @@
-"""A stage's graph as bytes, for the warm start (docs/cache.md). Each graph is its nodes in order, each
-made again by `Graph.create_node` as it is read (its arguments, earlier nodes, found by pickle's memo):
-GraphPickler's node records cost two pytree maps a node, half of loading a stage. A plain fake tensor
-(static sizes, strided, no autograd, no subclass) is its sizes, strides, offset, dtype, device and an id
-of its storage, so tensors that shared memory share it again (dispatch's donation decisions read
-that); anything else goes through GraphPickler. Debug metadata is left out. What is stored is an
-execution trace's module before its regions were built (`executors.plan.unbuilt`): identical regions
-share one graph module."""
+"""A stage's graph as bytes, for the warm start (docs/cache.md): its nodes in order, each made again by
+`create_node` as it is read (arguments found by pickle's memo; GraphPickler's node records cost two pytree
+maps a node); a plain fake tensor as its sizes, strides, offset, dtype, device and storage id (tensors that
+shared memory share it again: donation reads that); no debug metadata. What is stored is an execution
+trace's module before its regions were built (`executors.plan.unbuilt`): identical regions share one."""
 
 import contextlib
 import operator
@@ -48,7 +45,7 @@ class _StagePickler(GraphPickler):
         if isinstance(obj, fx.GraphModule):  # its graph, then every node in order, then what they name
             named = {n.target: operator.attrgetter(n.target)(obj) for n in obj.graph.nodes
                      if n.op in ("call_module", "get_attr")}
-            return _graph_module, (obj.graph, tuple(obj.graph.nodes), named, type(obj).__name__, obj.meta)
+            return _graph_module, (obj.graph, tuple(obj.graph.nodes), named, type(obj).__name__)
         if type(obj) is fx.Graph:
             return _graph, (obj._codegen,)
         if type(obj) is fx.Node:
@@ -84,10 +81,8 @@ def _node(graph: fx.Graph, op: str, name: str, target, args, kwargs, type_, meta
     return node
 
 
-def _graph_module(graph: fx.Graph, nodes: tuple, named: dict, class_name: str, meta: dict) -> fx.GraphModule:
-    gm = _LazyGraphModule(named, graph, class_name=class_name)  # its code generated when first needed
-    gm.meta = meta
-    return gm
+def _graph_module(graph: fx.Graph, nodes: tuple, named: dict, class_name: str) -> fx.GraphModule:
+    return _LazyGraphModule(named, graph, class_name=class_name)  # its code generated when first needed
 
 
 def _fake_tensor(state, sid: int, nbytes: int, shape, stride, offset: int, dtype, device) -> FakeTensor:

@@ -25,10 +25,9 @@ _LOADER: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("pi
 
 
 class StageCode(OutputCode):
-    """One compiled stage as AOTAutograd sees it (boxed). Pickles as its execution trace before the
-    regions were built (`trace_pickle`), the assignment of its ops (`executors.dispatch`), whether it
-    can be a CUDA graph and the fingerprint of the lowered trace it came from; loading builds the
-    regions again (from the artifact cache), without lowering, passes or partitioning."""
+    """One compiled stage as AOTAutograd sees it (boxed). Pickles as its execution trace before its regions were
+    built (`trace_pickle`), its ops' assignment, whether it can be a CUDA graph and the fingerprint of the lowered
+    trace it came from; loading builds the regions again (artifact cache), without lowering or partitioning."""
 
     def __init__(self, run: Callable, stage: str, executed: Trace, lowered: str, assignment: Assignment,
                  why_not: Optional[str]):
@@ -90,10 +89,9 @@ def why_not(gm: fx.GraphModule, example_inputs) -> Optional[str]:
 
 @contextlib.contextmanager
 def record_entry(key: str, on_entry: Callable[[bytes, float], None], on_failure: Callable[[str], None]):
-    """While compiling with `aot_module_simplified`: AOTAutograd hands its bundled cache entry for this
-    graph to `on_entry` (pickled, with the seconds pickling took), or says to `on_failure` why it could
-    not. The backward compiles with the forward (not lazily), so the entry is complete when this block
-    ends. Only the outermost AOTAutograd compile is stored, not one an executor runs inside it."""
+    """While compiling with `aot_module_simplified`: AOTAutograd hands its bundled cache entry for this graph to
+    `on_entry` (pickled, with the seconds pickling took), or says to `on_failure` why not. The backward compiles
+    with the forward, so the entry is complete when this block ends; only the outermost compile is stored."""
     from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     from torch._functorch._aot_autograd.schemas import AOTAutogradCacheInfo

@@ -1,8 +1,6 @@
-"""`causal_attention()`: attention handed an explicit causal mask runs with `is_causal=True` instead.
-
-Each SDPA mask that depends on no graph input is computed once, at compile time; where it is SDPA's
-causal mask in every batch and head, it is dropped and the flag set. Why (traced Hugging Face models),
-and which masks are left alone: docs/passes.md, "Built in: the default passes"."""
+"""`causal_attention()`: attention handed an explicit causal mask runs with `is_causal=True` instead: a
+mask that depends on no input is computed at compile time and, where it is SDPA's causal mask, dropped
+(why, and which masks are left alone: docs/passes.md, "Built in: the default passes")."""
 
 from typing import Optional
 

@@ -1,9 +1,7 @@
-"""`group_linears()`: linears that read the same input (q/k/v, gate/up) become one linear on their
-stacked weights, the output split along its last dim (when it pays: docs/passes.md).
-
-The stacked weights are tagged `recompute`, so the backward concatenates them again rather than the
-partitioner keeping a second copy of every grouped weight alive (0.9 GiB on the 1B Llama in bf16). A
-piece the model `.view()`s in a way a strided slice cannot be viewed is copied contiguous first."""
+"""`group_linears()`: linears that read the same input (q/k/v, gate/up) become one linear on their stacked
+weights, the output split along its last dim (when it pays: docs/passes.md). The stacked weights are tagged
+`recompute`, so the backward concatenates them again rather than keeping a second copy of every grouped weight
+(0.9 GiB on the 1B Llama in bf16). A piece `.view()`ed in a way a strided slice cannot be is copied first."""
 
 import contextlib
 import operator

@@ -1,8 +1,6 @@
-"""`grouped_kv_attention()`: attention reads grouped keys/values directly (`enable_gqa=True`) instead
-of copies repeated to every query head (`k.repeat_interleave(n, dim=1)`, or Hugging Face's `repeat_kv`).
-
-Applied only where it can only win (`_can_win`, the guard of this one-rule `ir.rewrite`): attention in
-half precision on the devices given; why, and what it gains: docs/passes.md, "Built in: the default passes"."""
+"""`grouped_kv_attention()`: attention reads grouped keys/values directly (`enable_gqa=True`) instead of
+copies repeated to every query head, where it can only win (`_can_win`: half precision on the devices
+given; why, and what it gains: docs/passes.md, "Built in: the default passes")."""
 
 from typing import Optional, Sequence
 

@@ -1,8 +1,5 @@
-"""`mixed_precision(dtype)`: compute in bf16/fp16 with fp32 master parameters, op by op as
-`torch.autocast` would (docs/passes.md, "Training passes").
-
-It wraps the captured program in an autocast region (the `_enter_autocast` / `_exit_autocast` nodes
-Dynamo records for a `with torch.autocast(...)` block); lowering applies autocast's op policy, so the
+"""`mixed_precision(dtype)`: compute in bf16/fp16 with fp32 master parameters, op by op as `torch.autocast`
+would (docs/passes.md, "Training passes"): the captured program is wrapped in an autocast region, so the
 lowered trace shows every cast and the backward reaches the fp32 parameters through them."""
 
 import torch
