@@ -304,6 +304,7 @@ def run_row(name, how, config, batches, args):
     if first is not None:
         extra["first_step_profile (cProfile)"] = profile_lines(first, 60)
         if args.trace_dir:  # the whole profile, for pstats
+            os.makedirs(args.trace_dir, exist_ok=True)
             first.dump_stats(os.path.join(args.trace_dir, re.sub(r"[^A-Za-z0-9]+", "_", name) + ".prof"))
     # torch's own timers of its compile phases (dynamo_timed: Dynamo, AOTAutograd, Inductor's codegen,
     # waiting for Triton's compile workers), summed over the run: which of torch's phases a first step waits on
