@@ -249,6 +249,26 @@ def saved_for_backward(step_fn, tokens, parameters, top=10) -> list[str]:
     return lines
 
 
+def _gc_timer():
+    """Starts timing Python's collections; the returned function stops and gives (seconds, collections by generation)."""
+    import gc
+    spent, started, counts = [0.0], [0.0], [0, 0, 0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - started[0]
+            counts[info["generation"]] += 1
+
+    gc.callbacks.append(callback)
+
+    def stop():
+        gc.callbacks.remove(callback)
+        return {"seconds": round(spent[0], 3), "collections by generation": counts}
+    return stop
+
+
 def run_row(name, how, config, batches, args):
     profile, first_step_profile = args.profile, args.first_step_profile
     torch.manual_seed(0)
@@ -276,9 +296,12 @@ def run_row(name, how, config, batches, args):
     if first_step_profile:  # where the first step's host time goes (compile, cache, capture), cProfile
         import cProfile
         first = cProfile.Profile()
+    gc_seconds = _gc_timer()  # how much of the first step Python's garbage collector takes
     for tokens in batches:
         sync()
         start = time.perf_counter()
+        if len(times) == 1:
+            gc_seconds = gc_seconds()
         if first is not None and not times:
             first.enable()
         loss = step_fn(tokens)
@@ -301,6 +324,7 @@ def run_row(name, how, config, batches, args):
     timed = host[4:] or host  # steps 5-20, as tokens/s
     extra = {"host_ms": {k: round(1e3 * sum(h[i] for h in timed) / len(timed), 2) for i, k in
                          enumerate(["forward call", "backward call", "optimizer call", "wait for the GPU"])}}
+    extra["first_step_gc"] = gc_seconds if isinstance(gc_seconds, dict) else gc_seconds()
     if first is not None:
         extra["first_step_profile (cProfile)"] = profile_lines(first, 60)
         if args.trace_dir:  # the whole profile, for pstats
@@ -433,7 +457,7 @@ def main():
             continue
         losses, times = result["losses"], result["times"]
         eager_losses = eager_losses or (losses if row_of(name) == "eager" else None)
-        steady = times[4:]
+        steady = times[4:] or times[1:] or times  # steps 5 on, when there are
         tps = tokens_per_step * len(steady) / sum(steady)
         mfu = tps * flops_per_token / PEAK_FLOPS
         dev = max(abs(a - b) for a, b in zip(losses, eager_losses)) if eager_losses else float("nan")
