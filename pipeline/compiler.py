@@ -54,22 +54,23 @@ class PassError(RuntimeError):
     or returned a trace whose metadata or outputs are not what its ops compute."""
 
 
-_gc_frozen = [False]  # by `_old_objects_frozen`: a nested stage compile then skips `get_freeze_count`'s O(heap) walk
+_gc_frozen = [False]  # by `old_objects_frozen`: a nested block then skips `get_freeze_count`'s O(heap) walk
 
 
 @contextlib.contextmanager
-def _old_objects_frozen():
-    """Full GCs skip what predates compiling (`gc.freeze`: each walks torch's heap) unless the program froze some."""
-    if _gc_frozen[0] or gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    _gc_frozen[0] = True
+def old_objects_frozen(on: bool = True):
+    """Full GCs skip what predates this block (`gc.freeze`: each walks torch's heap) unless the program froze some.
+    Only around work done once (a compile, a first call): frozen each step, a step's garbage would age to gen 2."""
+    outermost = not _gc_frozen[0]
+    if on and not (outermost and gc.get_freeze_count()):
+        gc.freeze()  # nested: what the outer block made so far too
+        _gc_frozen[0] = True
     try:
         yield
     finally:
-        _gc_frozen[0] = False
-        gc.unfreeze()
+        if on and outermost and _gc_frozen[0]:
+            _gc_frozen[0] = False
+            gc.unfreeze()
 
 
 def _aot_graph_logs_off():
@@ -102,7 +103,7 @@ class PipelineBackend:
         log.info("%s: captured %d ops (Dynamo frame %s)", record.graph_id,
                  sum(n.op.startswith("call") for n in gm.graph.nodes), record.compile_id)
         try:
-            with _old_objects_frozen():
+            with old_objects_frozen():
                 return self._compile(gm, example_inputs, record)
         except (PassError, PipelineFallbackError, Warning):  # a Warning: warnings are errors here
             raise
@@ -224,7 +225,7 @@ class PipelineBackend:
             joint = trace.module
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-    @_old_objects_frozen()  # a backward stage compiles lazily, at the first backward: outside __call__
+    @old_objects_frozen()  # a backward stage compiles lazily, at the first backward: outside __call__
     def _lower_stage(self, stage: str, gm: fx.GraphModule, example_inputs, *, record: GraphRecord,
                      captured: Trace, cache: GraphCache | None, serializable: bool = False):
         """AOTAutograd's compiler hook for the forward, backward or inference graph."""
@@ -302,7 +303,8 @@ def _timing_first_call(fn: Callable, record: GraphRecord, stage: str) -> Callabl
         calls.pop()
         start, measuring = time.perf_counter(), record.seconds.get("autotune (measuring)", 0.0)
         try:
-            return fn(args)
+            with old_objects_frozen():  # CUDA-graph recording, kernels loaded: new objects only
+                return fn(args)
         finally:  # autotune's measuring is counted as autotune's
             measuring = record.seconds.get("autotune (measuring)", 0.0) - measuring
             record.seconds[f"first call ({stage})"] += time.perf_counter() - start - measuring

@@ -20,7 +20,7 @@ from transforms.model_transform import ModelTransform
 from . import model_state
 
 from .cache import save_changed
-from .compiler import PassError, PipelineBackend
+from .compiler import PassError, PipelineBackend, old_objects_frozen
 from .default_passes import Without, with_defaults
 from .fallbacks import MODES, PipelineFallbackError, report_fallback
 from .grad_capture import GradCapture, differentiates_inside
@@ -138,8 +138,7 @@ _jits = 0
 
 
 class _DynamoGiveUps(logging.Handler):
-    """What Dynamo logs when it stops compiling a frame (its recompile limit, say) while a jitted
-    model is being called: collected so the model's `compile_stats` names it as a fallback."""
+    """What Dynamo logs when it stops compiling a frame (its recompile limit, say): a fallback in `compile_stats`."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -155,8 +154,7 @@ logging.getLogger("torch._dynamo.convert_frame").addHandler(_give_ups)
 
 
 def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], dict]:
-    """Materializes meta tensors and applies model-changing transforms (stage 2) to the module;
-    returns the trace passes to run and what the model transforms replaced."""
+    """Materializes meta tensors, applies model-changing transforms (stage 2); returns the passes and what was replaced."""
     removed = {name for t in transforms if isinstance(t, Without) for name in t.names}
     transforms = [t for t in transforms if not isinstance(t, Without)]
     preparations = [t for t in transforms if isinstance(t, Materialize)]
@@ -207,7 +205,8 @@ def _call(runner, state: CompileState, args, kwargs):
     start = time.perf_counter()
     _give_ups.calls.append([])
     try:
-        out = runner(*args, **kwargs)
+        with old_objects_frozen(on=not history.calls):  # the first call: Dynamo's capture too
+            out = runner(*args, **kwargs)
     except torch._dynamo.exc.Unsupported as e:
         if config.fullgraph:
             raise GraphBreakError(_graph_break_message(e)) from e
@@ -361,8 +360,7 @@ class JittedModule(torch.nn.Module):
         return attribute
 
     def _uncompiled_generate(self, generate):
-        """`generate` calls the original model's forward from inside its own loop, which the
-        pipeline does not capture: it runs uncompiled, and says so."""
+        """`generate` calls the original forward in its own loop, which is not captured: it runs uncompiled, and says so."""
         @functools.wraps(generate)
         def run(*args, **kwargs):
             if not any(m.startswith("generate()") for m in self._state.history.fallbacks):  # once a model

@@ -274,33 +274,44 @@ def test_compiled_stages_free_each_input_after_its_last_use():
 
 
 def test_compiling_freezes_older_objects_for_the_gc_and_releases_them(mlp, monkeypatch):
-    """While a graph compiles, full garbage collections skip the objects that existed before
-    (`gc.freeze`); afterwards nothing stays frozen, and objects the program froze itself stay frozen."""
+    """While the first call captures (Dynamo) and compiles, and while each stage first runs, garbage
+    collections skip the objects that existed before (`gc.freeze`); afterwards nothing stays frozen, later
+    calls freeze nothing, and objects the program froze itself stay frozen."""
     import gc
     monkeypatch.setenv("PIPELINE_CACHE", "0")  # the cache records a backward at once; without it, lazily
-    calls = []
-    real_freeze, real_unfreeze = gc.freeze, gc.unfreeze
-    monkeypatch.setattr(gc, "freeze", lambda: (calls.append("freeze"), real_freeze()))
-    monkeypatch.setattr(gc, "unfreeze", lambda: (calls.append("unfreeze"), real_unfreeze()))
-    out = pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
-    assert calls == ["freeze", "unfreeze"] and gc.get_freeze_count() == 0
-    out.sum().backward()  # AOTAutograd compiles the backward stage here, at its first run
-    assert calls == ["freeze", "unfreeze"] * 2 and gc.get_freeze_count() == 0
-    calls[:] = ["freeze", "unfreeze"]
-    torch._dynamo.reset()
-    monkeypatch.setenv("PIPELINE_CACHE", "1")  # recording for the cache: the backward compiles inside the forward's
-    real_count, counted = gc.get_freeze_count, []
+    seen, freezes, counted = [], [], []
+    real_freeze, real_unfreeze, real_count = gc.freeze, gc.unfreeze, gc.get_freeze_count
+    monkeypatch.setattr(gc, "freeze", lambda: (freezes.append(1), real_freeze()))
     monkeypatch.setattr(gc, "get_freeze_count", lambda: (counted.append(1), real_count())[1])
-    pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16)).sum().backward()
-    assert calls == ["freeze", "unfreeze"] * 2 and len(counted) == 1  # nested: no O(heap) count again
-    calls[:] = ["freeze", "unfreeze"]
-    torch._dynamo.reset()
-    real_freeze()  # the program's own
+
+    def collecting(phase, info):  # each collection: whether the older objects are frozen
+        if phase == "start":
+            seen.append(real_count() > 0)
+
+    def step(fn):
+        seen.clear()
+        fn(torch.randn(4, 16)).sum().backward()
+        gc.collect(0)  # one collection after the step, whatever the step's own allocations triggered
+        return seen[:-1], seen[-1]
+    fn = pipeline.jit(mlp, executors=["torch"])
+    gc.callbacks.append(collecting)
     try:
-        pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
-        assert calls == ["freeze", "unfreeze"]  # neither frozen again nor released by the pipeline
+        during, after = step(fn)  # capture, forward compile, backward compile (lazy) and first runs
+        assert during and all(during) and not after and real_count() == 0
+        assert len(counted) == 3  # one O(heap) count per outermost block: the call, the backward compile, its first run
+        freezes.clear()
+        during, after = step(fn)
+        assert not freezes and not any(during) and not after  # a step that compiles nothing freezes nothing
+        torch._dynamo.reset()
+        real_freeze()  # the program's own
+        try:
+            freezes.clear()
+            pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
+            assert not freezes and real_count() > 0  # neither frozen again nor released by the pipeline
+        finally:
+            real_unfreeze()
     finally:
-        real_unfreeze()
+        gc.callbacks.remove(collecting)
 
 
 def test_lowering_renders_graphs_as_text_only_when_a_log_asks(mlp, monkeypatch):
