@@ -252,7 +252,7 @@ def saved_for_backward(step_fn, tokens, parameters, top=10) -> list[str]:
 def _gc_timer():
     """Starts timing Python's collections; the returned function stops and gives (seconds, collections by generation)."""
     import gc
-    spent, started, counts = [0.0], [0.0], [0, 0, 0]
+    spent, started, counts, full = [0.0], [0.0], [0, 0, 0], []
 
     def callback(phase, info):
         if phase == "start":
@@ -260,12 +260,14 @@ def _gc_timer():
         else:
             spent[0] += time.perf_counter() - started[0]
             counts[info["generation"]] += 1
+            if info["generation"] == 2:  # the costly ones: did they walk the whole heap (nothing frozen)?
+                full.append((round(time.perf_counter() - started[0], 3), "frozen" if gc.get_freeze_count() else "whole heap"))
 
     gc.callbacks.append(callback)
 
     def stop():
         gc.callbacks.remove(callback)
-        return {"seconds": round(spent[0], 3), "collections by generation": counts}
+        return {"seconds": round(spent[0], 3), "collections by generation": counts, "full collections": full}
     return stop
 
 
