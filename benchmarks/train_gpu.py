@@ -250,7 +250,8 @@ def saved_for_backward(step_fn, tokens, parameters, top=10) -> list[str]:
 
 
 def _gc_timer():
-    """Starts timing Python's collections; the returned function stops and gives (seconds, collections by generation)."""
+    """Starts timing Python's collections; the returned function stops and says what they took: seconds, counts by
+    generation, and each full collection (seconds, whether old objects were frozen or it walked the whole heap)."""
     import gc
     spent, started, counts, full = [0.0], [0.0], [0, 0, 0], []
 
@@ -258,10 +259,11 @@ def _gc_timer():
         if phase == "start":
             started[0] = time.perf_counter()
         else:
-            spent[0] += time.perf_counter() - started[0]
+            took = time.perf_counter() - started[0]
+            spent[0] += took
             counts[info["generation"]] += 1
-            if info["generation"] == 2:  # the costly ones: did they walk the whole heap (nothing frozen)?
-                full.append((round(time.perf_counter() - started[0], 3), "frozen" if gc.get_freeze_count() else "whole heap"))
+            if info["generation"] == 2:  # the costly ones
+                full.append((round(took, 3), "frozen" if gc.get_freeze_count() else "whole heap"))
 
     gc.callbacks.append(callback)
 
@@ -298,12 +300,12 @@ def run_row(name, how, config, batches, args):
     if first_step_profile:  # where the first step's host time goes (compile, cache, capture), cProfile
         import cProfile
         first = cProfile.Profile()
-    gc_seconds = _gc_timer()  # how much of the first step Python's garbage collector takes
+    stop_gc_timer, first_step_gc = _gc_timer(), None  # what the first step's garbage collections take
     for tokens in batches:
         sync()
         start = time.perf_counter()
         if len(times) == 1:
-            gc_seconds = gc_seconds()
+            first_step_gc = stop_gc_timer()
         if first is not None and not times:
             first.enable()
         loss = step_fn(tokens)
@@ -326,7 +328,7 @@ def run_row(name, how, config, batches, args):
     timed = host[4:] or host  # steps 5-20, as tokens/s
     extra = {"host_ms": {k: round(1e3 * sum(h[i] for h in timed) / len(timed), 2) for i, k in
                          enumerate(["forward call", "backward call", "optimizer call", "wait for the GPU"])}}
-    extra["first_step_gc"] = gc_seconds if isinstance(gc_seconds, dict) else gc_seconds()
+    extra["first_step_gc"] = first_step_gc or stop_gc_timer()  # a run of one step: its only step
     if first is not None:
         extra["first_step_profile (cProfile)"] = profile_lines(first, 60)
         if args.trace_dir:  # the whole profile, for pstats

@@ -62,13 +62,13 @@ def old_objects_frozen(on: bool = True):
     """Full GCs skip what predates this block (`gc.freeze`: each walks torch's heap) unless the program froze some.
     Only around work done once (a compile, a first call): frozen each step, a step's garbage would age to gen 2."""
     outermost = not _gc_frozen[0]
-    if on and not (outermost and gc.get_freeze_count()):
+    if froze := on and not (outermost and gc.get_freeze_count()):
         gc.freeze()  # nested: what the outer block made so far too
         _gc_frozen[0] = True
     try:
         yield
     finally:
-        if on and outermost and _gc_frozen[0]:
+        if froze and outermost:
             _gc_frozen[0] = False
             gc.unfreeze()
 
