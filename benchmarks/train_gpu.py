@@ -251,8 +251,10 @@ def saved_for_backward(step_fn, tokens, parameters, top=10) -> list[str]:
 
 def _gc_timer():
     """Starts timing Python's collections; the returned function stops and says what they took: seconds, counts by
-    generation, and each full collection (seconds, whether old objects were frozen or it walked the whole heap)."""
+    generation, and each full collection (seconds, whether old objects were frozen or it walked the whole heap, and
+    the phase it fell in: the outermost frames of the pipeline, Dynamo, AOTAutograd, autograd or the optimizer)."""
     import gc
+    from pipeline.compiler import _gc_frozen  # whether the pipeline froze old objects (gc.get_freeze_count walks them)
     spent, started, counts, full = [0.0], [0.0], [0, 0, 0], []
 
     def callback(phase, info):
@@ -263,7 +265,17 @@ def _gc_timer():
             spent[0] += took
             counts[info["generation"]] += 1
             if info["generation"] == 2:  # the costly ones
-                full.append((round(took, 3), "frozen" if gc.get_freeze_count() else "whole heap"))
+                full.append((round(took, 3), "frozen" if _gc_frozen[0] else "whole heap", _phase()))
+
+    def _phase():
+        frame, names = sys._getframe(2), []
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if re.search(r"/(pipeline|executors)/|torch/(_dynamo|_functorch|autograd|optim)/", path):
+                names.append(f"{os.path.basename(path)}:{frame.f_code.co_name}")
+            frame = frame.f_back
+        names.reverse()  # outermost first
+        return " > ".join(names if len(names) <= 4 else names[:2] + ["..."] + names[-2:])
 
     gc.callbacks.append(callback)
 
