@@ -55,6 +55,7 @@ class PassError(RuntimeError):
 
 
 _gc_frozen = [False]  # by `old_objects_frozen`: a nested block then skips `get_freeze_count`'s O(heap) walk
+_frozen_at_import = [gc.get_freeze_count()]  # not the program's: Python 3.12 starts with ~400 objects frozen
 
 
 @contextlib.contextmanager
@@ -62,15 +63,15 @@ def old_objects_frozen(on: bool = True):
     """Full GCs skip what predates this block (`gc.freeze`: each walks torch's heap) unless the program froze some.
     Only around work done once (a compile, a first call): frozen each step, a step's garbage would age to gen 2."""
     outermost = not _gc_frozen[0]
-    if froze := on and not (outermost and gc.get_freeze_count()):
+    if froze := on and not (outermost and gc.get_freeze_count() > _frozen_at_import[0]):
         gc.freeze()  # nested: what the outer block made so far too
         _gc_frozen[0] = True
     try:
         yield
     finally:
         if froze and outermost:
-            _gc_frozen[0] = False
-            gc.unfreeze()
+            _gc_frozen[0], _frozen_at_import[0] = False, 0
+            gc.unfreeze()  # Python's own startup objects too: collectable as any others
 
 
 def _aot_graph_logs_off():
@@ -169,8 +170,7 @@ class PipelineBackend:
                 inference_compiler=functools.partial(stage, "inference"),
                 partition_fn=functools.partial(self._partition, record=record, captured=trace),
                 decompositions={op: fn for ex in state.config.executors
-                                for op, fn in ex.decompositions_before_partition().items()},
-            )
+                                for op, fn in ex.decompositions_before_partition().items()})
         inner = sum(record.seconds.values()) - inner_before
         record.seconds["lower"] += time.perf_counter() - start - inner
         if cache is not None:
