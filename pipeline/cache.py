@@ -58,8 +58,8 @@ def disabled_reason(option: bool) -> Optional[str]:
 # -- the key --------------------------------------------------------------------------------------
 def graph_key(gm, example_inputs, state) -> str:
     """The hash naming a captured graph's entry; raises `Uncacheable`."""
-    parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}",
-             f"pipeline {pipeline_source_hash()}", f"modes {global_modes()}", gm.code]
+    parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}", f"pipeline {pipeline_source_hash()}",
+             f"modes {global_modes()}", gm.graph.python_code(root_module="self").src]  # `gm.code` compiles it too
     parts += [value_signature(v) for v in example_inputs]
     parts += [f"owner {state.config.owners.get(id(v))}" for v in example_inputs]
     parts += [pass_identity(p) for p in state.config.passes]
