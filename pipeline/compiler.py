@@ -55,7 +55,8 @@ class PassError(RuntimeError):
 
 
 _gc_frozen = [False]  # by `old_objects_frozen`: a nested block then skips `get_freeze_count`'s O(heap) walk
-_frozen_at_import = [gc.get_freeze_count()]  # not the program's: Python 3.12 starts with ~400 objects frozen
+# Frozen at import: Python 3.12's startup objects (375), or beyond a few hundred the program's (None: ours off, not to release it)
+_frozen_by_python = [None if gc.get_freeze_count() >= 2000 else gc.get_freeze_count()]
 
 
 @contextlib.contextmanager
@@ -63,14 +64,14 @@ def old_objects_frozen(on: bool = True):
     """Full GCs skip what predates this block (`gc.freeze`: each walks torch's heap) unless the program froze some.
     Only around work done once (a compile, a first call): frozen each step, a step's garbage would age to gen 2."""
     outermost = not _gc_frozen[0]
-    if froze := on and not (outermost and gc.get_freeze_count() > _frozen_at_import[0]):
+    if froze := on and not (outermost and gc.get_freeze_count() != _frozen_by_python[0]):
         gc.freeze()  # nested: what the outer block made so far too
         _gc_frozen[0] = True
     try:
         yield
     finally:
         if froze and outermost:
-            _gc_frozen[0], _frozen_at_import[0] = False, 0
+            _gc_frozen[0], _frozen_by_python[0] = False, 0
             gc.unfreeze()  # Python's own startup objects too: collectable as any others
 
 

@@ -316,19 +316,24 @@ def test_compiling_freezes_older_objects_for_the_gc_and_releases_them(mlp, monke
 
 def test_objects_python_froze_before_the_pipeline_do_not_turn_the_freeze_off(mlp, monkeypatch):
     """Python 3.12 starts with a few hundred objects frozen: not the program's own freeze, so the first call
-    still freezes (it had not on the GPU machine's Python 3.12); unfreezing releases those objects too."""
+    still freezes (it had not on the GPU machine's Python 3.12); unfreezing releases those objects too.
+    A program that froze more before importing the pipeline (`None`) keeps its freeze: nothing frozen or released."""
     import gc
     from pipeline import compiler
     monkeypatch.setenv("PIPELINE_CACHE", "0")
-    gc.freeze()  # stands in for the interpreter's startup objects, frozen before the pipeline was imported
-    monkeypatch.setattr(compiler, "_frozen_at_import", [gc.get_freeze_count()], raising=False)
     frozen_in_capture = []
     real_freeze = gc.freeze
     monkeypatch.setattr(gc, "freeze", lambda: (frozen_in_capture.append(compiler._gc_frozen[0]), real_freeze()))
+    real_freeze()  # stands in for the objects frozen before the pipeline was imported
     try:
+        monkeypatch.setattr(compiler, "_frozen_by_python", [None])  # the program's: left alone
+        pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
+        assert not frozen_in_capture and gc.get_freeze_count() > 0
+        torch._dynamo.reset()
+        monkeypatch.setattr(compiler, "_frozen_by_python", [gc.get_freeze_count()])  # Python's own
         pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
         assert frozen_in_capture and frozen_in_capture[0] is False  # the outermost block froze
-        assert gc.get_freeze_count() == 0 and compiler._frozen_at_import == [0]
+        assert gc.get_freeze_count() == 0 and compiler._frozen_by_python == [0]
     finally:
         gc.unfreeze()
 
