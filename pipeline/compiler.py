@@ -55,8 +55,7 @@ class PassError(RuntimeError):
 
 
 _gc_frozen = [False]  # by `old_objects_frozen`: a nested block then skips `get_freeze_count`'s O(heap) walk
-# Frozen at import: Python 3.12's startup objects (375), or beyond a few hundred the program's (None: ours off, not to release it)
-_frozen_by_python = [None if gc.get_freeze_count() >= 2000 else gc.get_freeze_count()]
+_frozen_by_python = [None if gc.get_freeze_count() >= 2000 else gc.get_freeze_count()]  # 3.12 starts with 375; more: the program's
 
 
 @contextlib.contextmanager
@@ -64,7 +63,7 @@ def old_objects_frozen(on: bool = True):
     """Full GCs skip what predates this block (`gc.freeze`: each walks torch's heap) unless the program froze some.
     Only around work done once (a compile, a first call): frozen each step, a step's garbage would age to gen 2."""
     outermost = not _gc_frozen[0]
-    if froze := on and not (outermost and gc.get_freeze_count() != _frozen_by_python[0]):
+    if froze := on and (not outermost or gc.get_freeze_count() == _frozen_by_python[0]):  # None: never
         gc.freeze()  # nested: what the outer block made so far too
         _gc_frozen[0] = True
     try:

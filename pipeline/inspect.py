@@ -128,7 +128,8 @@ def compile_stats(cm) -> CompileStats:
             if k != "total":
                 seconds[k] += v
     return CompileStats(
-        graphs=len(history.records), graph_breaks=list(history.graph_breaks), recompilations=history.recompiles, seconds=dict(seconds),
+        graphs=len(history.records), graph_breaks=list(history.graph_breaks),
+        recompilations=history.recompiles, seconds=dict(seconds),
         recompile_reasons=[r.recompile_reason for r in history.records if r.recompile_reason],
         eager_fallbacks={r.graph_id: r.eager_fallback for r in history.records if r.eager_fallback},
         op_fallbacks=[(r.graph_id, op, why) for r in history.records for op, why in r.fallbacks],
