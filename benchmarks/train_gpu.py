@@ -30,6 +30,7 @@ Columns: tokens/s over steps 5-20, MFU = (6·params + 12·layers·seq·dim) FLOP
 """
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -520,16 +521,46 @@ def run_in_subprocess(name, args, kept_caches=None):
         cmd += ["--first-step-profile"] if args.first_step_profile and (not kept_caches or name.endswith(last_warm)) else []
         cmd += ["--saved-tensors"] if args.saved_tensors else []
         cmd += ["--without", *args.without] if args.without else []
+        watched = [caches, os.path.expanduser("~/.nv"), os.path.expanduser("~/.triton"), os.path.expanduser("~/.cache")]
+        before = files_under(watched) if kept_caches else {}
         try:
             proc = subprocess.run(cmd, timeout=args.row_timeout, capture_output=True, text=True, env=env)
         except subprocess.TimeoutExpired:
             return {"row": name, "error": f"did not finish within --row-timeout {args.row_timeout:.0f} s"}
         try:
             with open(out.name) as f:
-                return json.load(f)
+                result = json.load(f)
+            if kept_caches and "extra" in result:  # what a warm process still writes (cold: what it fills)
+                result["extra"]["files_written"] = written_since(before, files_under(watched), caches)
+            return result
         except (OSError, ValueError):
             tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
             return {"row": name, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def files_under(folders) -> dict:
+    """{path: (size, mtime)} of every file under `folders`."""
+    found = {}
+    for folder in folders:
+        for root, _, names in os.walk(folder):
+            for n in names:
+                path = os.path.join(root, n)
+                with contextlib.suppress(OSError):
+                    st = os.stat(path)
+                    found[path] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+def written_since(before: dict, after: dict, caches: str) -> dict:
+    """Files new or changed between two `files_under`, counted (and MB) by folder: which cache a process wrote."""
+    by_folder = collections.defaultdict(lambda: [0, 0.0])
+    for path, (size, mtime) in after.items():
+        if before.get(path) != (size, mtime):
+            rel = os.path.relpath(path, caches) if path.startswith(caches) else path.replace(os.path.expanduser("~"), "~")
+            folder = "/".join(rel.split("/")[:2])
+            by_folder[folder][0] += 1
+            by_folder[folder][1] = round(by_folder[folder][1] + size / 2**20, 2)
+    return dict(by_folder)
 
 
 def run_one(args, config):
