@@ -36,6 +36,24 @@ def artifact_files_dir(name: str) -> str | None:
     return path
 
 
+@contextlib.contextmanager
+def environ_set(name: str, value: str | None):
+    """`os.environ[name]` set to `value` (a library pointed at an executor's folder) for the duration, then
+    restored; nothing changes when `value` is None."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def write_file(path: str, data: bytes, mode: int = 0o600) -> None:
     """Writes `path` (with `mode`) atomically: a temporary file in the same folder, then `os.replace`."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.splitext(path)[1])
@@ -103,6 +121,3 @@ def read_file(path: str, what: str = "entry", *, private: bool = False, limit: i
         return data
     finally:
         os.close(fd)
-
-
-# -- authenticated payloads -----------------------------------------------------------------------

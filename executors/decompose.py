@@ -20,10 +20,7 @@ def decomposition_of(op):
     """The registered decomposition of an OpOverload, or None."""
     if not isinstance(op, torch._ops.OpOverload):
         return None
-    fn = decomposition_table.get(op)
-    if fn is None and _is_composite(op):
-        fn = op.decompose
-    return fn
+    return decomposition_table.get(op) or (op.decompose if _is_composite(op) else None)
 
 
 def _is_composite(op) -> bool:

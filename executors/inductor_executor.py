@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from .artifact_files import Skipped, Untrusted, artifact_files_dir, read_file, write_file
+from .artifact_files import Skipped, Untrusted, artifact_files_dir, environ_set, read_file, write_file
 from .base import Cacheable, PerModel, PreparesGraph, RegionDeclined
 from .graph_utils import (computes_nothing, donated_inputs, is_symbolic_glue, keep_promised_strides,
                           meta_strides_unreliable, op_name, promised_strides)
@@ -85,8 +85,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         return {op: table[op] for op in _DECOMPOSE_BEFORE_PARTITION if op in table}
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
-        reason = _nothing_to_fuse(gm)
-        if reason:
+        if reason := _nothing_to_fuse(gm):
             raise RegionDeclined(reason)
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx_inner
@@ -252,22 +251,10 @@ def _own_dir() -> str | None:
         return None
 
 
-@contextlib.contextmanager
 def _kernel_dir(path: str | None):
     """Inductor's cache dir (which it reads from `TORCHINDUCTOR_CACHE_DIR` at every use, and hands to
     its compile workers) set to `path` for the duration; nothing changes when `path` is None."""
-    if path is None:
-        yield
-        return
-    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+    return environ_set("TORCHINDUCTOR_CACHE_DIR", path)
 
 
 def _put_verified(root: str, rel: str, content: bytes) -> None:
@@ -360,9 +347,9 @@ def _nothing_to_fuse(gm: fx.GraphModule) -> str | None:
     return f"nothing to fuse (only library kernels {', '.join(names) or 'none'} and views); eager runs the same kernels"
 
 
-def _static_strides(strides):
+def _static_strides(strides) -> list:
     """Inductor's output strides (printed expressions) as ints; None where one is symbolic."""
-    return [_static_stride(stride) for stride in strides] if strides else None
+    return [_static_stride(stride) for stride in strides or ()]
 
 
 def _static_stride(stride) -> tuple[int, ...] | None:
@@ -373,8 +360,6 @@ def _static_stride(stride) -> tuple[int, ...] | None:
 
 def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple[int, ...]]]:
     """The promised strides of the outputs Inductor lays out differently (copied into them when run)."""
-    if not actual:
-        return []
     return [(i, want) for i, want in promised_strides(region)
             if i < len(actual) and actual[i] is not None and tuple(actual[i]) != want]
 

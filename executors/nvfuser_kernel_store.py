@@ -13,7 +13,7 @@ import warnings
 
 from ir import PipelineWarning
 
-from .artifact_files import Skipped, Untrusted, artifact_files_dir, cache_on, read_file
+from .artifact_files import Skipped, Untrusted, artifact_files_dir, cache_on, environ_set, read_file
 from .base import library_version
 
 _HEADER = "kernel_signature,compile_args,kernel_code_file,cubin_file"
@@ -30,15 +30,8 @@ def compiling():
     with _one_thread:
         folder = _folder()
         if folder is not None and _still_ours(folder):
-            before = os.environ.get("TMPDIR")
-            os.environ["TMPDIR"] = folder
-            try:
+            with environ_set("TMPDIR", folder):
                 yield {"_enable_options": ["kernel_db"], "_disable_options": ["parallel_compile"]}
-            finally:
-                if before is None:
-                    os.environ.pop("TMPDIR", None)
-                else:
-                    os.environ["TMPDIR"] = before
             return
     yield {}  # outside the lock: compiles without the store need not wait for each other
 

@@ -198,8 +198,7 @@ class _RegionBuilder:
             race = self._race(fn, source, region, None if failed else key) if self.autotune else None
             fn = race or fn  # a race is stored once its first call has chosen
             self.unfinished.append((fn, source, region, structure, key, failed))
-        island = next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None)
-        if island:
+        if island := next((n.meta["island"] for n in source.graph.nodes if "island" in n.meta), None):
             region.fallback_reason = "; ".join(filter(None, [island, region.fallback_reason]))
         return fn
 
@@ -260,8 +259,7 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
 
 
 def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, notes) -> None:
-    example_inputs = _example_inputs(source)
-    reason = ex.artifact_unsupported_reason(source, example_inputs)
+    reason = ex.artifact_unsupported_reason(source, _example_inputs(source))
     if reason is None:
         try:
             artifacts[key] = RegionArtifact(ex.name, ex.save_region(fn), region.fallback_reason,
@@ -317,18 +315,16 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback, fin
             reasons.append(f"{ex.name} declined: {e}")
             continue
         except Exception as e:  # a region an executor cannot compile runs on the next one
-            failed = True
-            reasons.append(f"{ex.name} failed to compile: {type(e).__name__}: {str(e).strip()[:300]}")
-            continue
-        if not callable(fn):
-            failed = True
-            reasons.append(f"{ex.name} failed to compile: compile_region returned {type(fn).__name__}, "
-                           f"not a callable")
-            continue
-        region.compile_seconds = time.perf_counter() - start
-        region.executor = ex.name
-        region.fallback_reason = "; ".join(reasons) or None
-        return fn, failed
+            why = f"{type(e).__name__}: {str(e).strip()[:300]}"
+        else:
+            if callable(fn):
+                region.compile_seconds = time.perf_counter() - start
+                region.executor = ex.name
+                region.fallback_reason = "; ".join(reasons) or None
+                return fn, failed
+            why = f"compile_region returned {type(fn).__name__}, not a callable"
+        failed = True
+        reasons.append(f"{ex.name} failed to compile: {why}")
     raise RuntimeError(f"region {region.id}: no executor could compile it: {'; '.join(reasons)}")
 
 
@@ -379,8 +375,7 @@ def gemm_flops(node: fx.Node, executors: Sequence[Executor] = ()) -> tuple[int, 
     """(matmul FLOPs of `node`, whether they run in fp8); (0, False) for other ops. aten's matmuls are
     counted here; any other op by the first of `executors` whose `flops` hook knows it."""
     for ex in executors:
-        counted = ex.flops(node)
-        if counted is not None:
+        if (counted := ex.flops(node)) is not None:
             return counted
     aten = torch.ops.aten
     shapes = [tuple(node_value(a).shape) if isinstance(a, fx.Node) and isinstance(node_value(a), torch.Tensor)
@@ -403,8 +398,7 @@ def unbuilt(executed: fx.GraphModule) -> fx.GraphModule:
     for node in executed.graph.nodes:
         if node.op == "call_module":
             compiled = executed.get_submodule(node.target)
-            region = compiled.region
-            sources[region.id] = root[node.target] = sources.get(region.compiled_as, compiled.source)
+            sources[compiled.region.id] = root[node.target] = sources.get(compiled.region.compiled_as, compiled.source)
         elif node.op == "get_attr":  # a constant the stage reads outside its regions
             root[node.target] = operator.attrgetter(node.target)(executed)
     graph = fx.Graph()

@@ -35,8 +35,7 @@ def python_source(trace: Trace) -> str:
     lines.insert(1, "# inputs:")
     if len(trace.inputs) != len(params):  # a malformed trace prints, and says so
         lines.insert(2, f"#   MALFORMED: {len(trace.inputs)} input specs for {len(params)} placeholders")
-    lines.append(_HEADER)
-    lines.append(f"def {_identifier(trace.name)}({', '.join(params)}):")
+    lines += [_HEADER, f"def {_identifier(trace.name)}({', '.join(params)}):"]
     body = []
     for node in trace.graph.nodes:
         if node.op == "placeholder":

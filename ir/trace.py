@@ -155,8 +155,7 @@ class Trace:
 
 def node_value(node: fx.Node) -> Any:
     """The fake value (tensor, tuple of tensors, SymInt) a node produces, or None if unknown."""
-    meta = node.meta
-    return meta["val"] if "val" in meta else meta.get("example_value")
+    return node.meta["val"] if "val" in node.meta else node.meta.get("example_value")
 
 
 def is_random(node: fx.Node) -> bool:

@@ -41,10 +41,8 @@ def uncached(pass_or_fn):
 
 def cache_root() -> str:
     """`PIPELINE_CACHE_DIR`, or `fxpipeline` under the user's cache dir (`$XDG_CACHE_HOME`, ~/.cache)."""
-    if os.environ.get("PIPELINE_CACHE_DIR"):
-        return os.environ["PIPELINE_CACHE_DIR"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "fxpipeline")
+    return os.environ.get("PIPELINE_CACHE_DIR") or os.path.join(base, "fxpipeline")
 
 
 def disabled_reason(option: bool) -> Optional[str]:

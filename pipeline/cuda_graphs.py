@@ -83,8 +83,7 @@ def _telling_the_tree(fn: Callable, device_index: int) -> Callable:
     from torch._inductor.cudagraph_trees import get_manager
 
     def run(args: list):
-        manager = get_manager(device_index, create_if_none_exists=False)
-        if manager is not None:
+        if (manager := get_manager(device_index, create_if_none_exists=False)) is not None:
             manager.set_to_running_backward()
         return fn(args)
     run._boxed_call = True

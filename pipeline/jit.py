@@ -249,7 +249,6 @@ def _generalize_on_shape_change(history: CallHistory, args, kwargs) -> None:
     shapes = tuple(tuple(t.shape) for t in tensors)
     if history.first_shapes is None:
         history.first_shapes = shapes
-        return
     if shapes == history.first_shapes:
         return
     for t, first in zip(tensors, history.first_shapes):
@@ -317,8 +316,7 @@ class JittedModule(torch.nn.Module):
         """The parameters the compiled code runs on: the original's, except those a model transform
         replaced, which appear as their new tensors (`fc.weight.q`, `fc.weight.scale`)."""
         replaced = self._state.config.replaced
-        for name, param in self._original.named_parameters(prefix="", recurse=recurse,
-                                                            remove_duplicate=remove_duplicate):
+        for name, param in self._original.named_parameters(recurse=recurse, remove_duplicate=remove_duplicate):
             if name in replaced:
                 for suffix, tensor in replaced[name].tensors.items():
                     yield prefix + f"{name}.{suffix}", tensor
@@ -343,8 +341,7 @@ class JittedModule(torch.nn.Module):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        taken = set().union(*(e.load_extra_state(state_dict) for e in self._state.config.executors))
-        if taken:
+        if taken := set().union(*(e.load_extra_state(state_dict) for e in self._state.config.executors)):
             state_dict = {k: v for k, v in state_dict.items() if k not in taken}
         if self._state.config.replaced:
             return model_state.load_state_dict(self._original, state_dict, self._state.config.replaced, strict)

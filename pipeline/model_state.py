@@ -67,9 +67,7 @@ def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:
     for module_prefix, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
             qualname = f"{module_prefix}.{attr}" if module_prefix else attr
-            if qualname in claimed:
-                continue
-            if (transform := for_parameter(transforms, module, qualname, param)) is None:
+            if qualname in claimed or (transform := for_parameter(transforms, module, qualname, param)) is None:
                 continue
             if (why := transform.refuses(module, param)) is not None:
                 refused.append((transform, f"{qualname} ({why})"))

@@ -37,8 +37,7 @@ class Chain(ModelTransform):
 
     def _mids(self, original) -> dict[str, torch.Tensor]:
         """What `first` produces for `original`, as meta tensors (shapes and dtypes)."""
-        meta = torch.empty(original.shape, dtype=original.dtype, device="meta")
-        return self.first.encode(meta)
+        return self.first.encode(torch.empty(original.shape, dtype=original.dtype, device="meta"))
 
     @staticmethod
     def _group(tensors: dict, suffix: str) -> dict:
