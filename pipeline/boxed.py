@@ -1,25 +1,41 @@
 """The boxed calling convention for compiled stages (AOTAutograd's `_boxed_call`): the callee takes the
 argument *list* and empties it, so each input is freed right after its last use, not when the stage returns."""
 
+import builtins
 import operator
+import types
+from typing import Optional
 
 import torch.fx as fx
+from torch.fx.graph import _custom_builtins
+from torch.fx.graph_module import _forward_from_src
+
+_FX_GLOBALS = {name: b.obj for name, b in _custom_builtins.items()}  # what FX's generated code may name
 
 
-def boxed(gm: fx.GraphModule):
-    """A function `fn(args: list)` running `gm` that clears `args` once it has read it."""
+def boxed(gm: fx.GraphModule, stored: Optional[tuple] = None):
+    """A function `fn(args: list)` running `gm` that clears `args` once it has read it. Its code is kept in
+    `gm.meta["boxed_code"]`; `stored`, that of a graph of the same nodes before (a warm start), is used as is."""
     if (single := _single_region(gm)) is not None:
         return single
-    graph = fx.Graph()
-    args_list = graph.placeholder("args_list")
-    value_map: dict[fx.Node, fx.Node] = {}
-    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
-        value_map[node] = graph.call_function(operator.getitem, (args_list, i))
-        value_map[node].name = node.name
-    graph.call_method("clear", (args_list,))
-    graph.output(graph.graph_copy(gm.graph, value_map))
-    _region_calls_boxed(gm, graph)
-    fn = fx.GraphModule(gm, graph).forward
+    shape = tuple((n.op, n.name, n.target if n.op in ("call_module", "get_attr") else None) for n in gm.graph.nodes)
+    if stored is not None and stored[0] == shape:
+        src, names = stored[1], _FX_GLOBALS
+    else:
+        graph = fx.Graph()
+        args_list = graph.placeholder("args_list")
+        value_map: dict[fx.Node, fx.Node] = {}
+        for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+            value_map[node] = graph.call_function(operator.getitem, (args_list, i))
+            value_map[node].name = node.name
+        graph.call_method("clear", (args_list,))
+        graph.output(graph.graph_copy(gm.graph, value_map))
+        _region_calls_boxed(gm, graph)
+        code = graph.python_code(root_module="self")
+        src, names = code.src, code.globals
+    fn = types.MethodType(_forward_from_src(src, names), gm)  # `self.<region>`: gm's own submodules
+    if all(_FX_GLOBALS.get(k, getattr(builtins, k, None)) is v for k, v in names.items()):
+        gm.meta["boxed_code"] = (shape, src)  # names nothing but builtins: it can be stored
 
     def run(args):
         return fn(args)

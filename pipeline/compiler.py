@@ -55,7 +55,9 @@ class PassError(RuntimeError):
 
 
 _gc_frozen = [False]  # by `old_objects_frozen`: a nested block then skips `get_freeze_count`'s O(heap) walk
-_frozen_by_python = [None if gc.get_freeze_count() >= 2000 else gc.get_freeze_count()]  # 3.12 starts with 375; more: the program's
+# Python 3.12 parks its immortal objects (~400) among the frozen at each full collection; a program's gc.freeze() has
+# frozen its whole heap (thousands at least): only that is the program's own freeze.
+PYTHONS_OWN_FROZEN = 2000
 
 
 @contextlib.contextmanager
@@ -63,15 +65,15 @@ def old_objects_frozen(on: bool = True):
     """Full GCs skip what predates this block (`gc.freeze`: each walks torch's heap) unless the program froze some.
     Only around work done once (a compile, a first call): frozen each step, a step's garbage would age to gen 2."""
     outermost = not _gc_frozen[0]
-    if froze := on and (not outermost or gc.get_freeze_count() == _frozen_by_python[0]):  # None: never
+    if froze := on and (not outermost or gc.get_freeze_count() < PYTHONS_OWN_FROZEN):
         gc.freeze()  # nested: what the outer block made so far too
         _gc_frozen[0] = True
     try:
         yield
     finally:
         if froze and outermost:
-            _gc_frozen[0], _frozen_by_python[0] = False, 0
-            gc.unfreeze()  # Python's own startup objects too: collectable as any others
+            _gc_frozen[0] = False
+            gc.unfreeze()  # Python's parked objects too: it parks them again
 
 
 def _aot_graph_logs_off():
@@ -135,6 +137,7 @@ class PipelineBackend:
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
         timed_verify(record, trace)
         rewrote, checks = [], []  # executors whose prepare changed the graph: it may bind per-model state (TE's fp8 scaling)
+        start = time.perf_counter()
         for executor in state.config.executors:  # model-level swaps (stage 2), e.g. TE's linears
             prepared, notes = executor.prepare(_executor_passes(executor, trace))
             record.fallbacks += notes
@@ -142,6 +145,7 @@ class PipelineBackend:
                 checks.append((trace, prepared, f"{executor.name}.prepare"))
                 trace = record.add_trace(prepared)
                 rewrote.append(f"{executor.name}.prepare")
+        record.seconds["prepare"] += time.perf_counter() - start  # a warm start too: it binds this model's state
         # prepare's ops may name per-model state (TE's scaling handle): load only the very same graph
         if cache is not None and rewrote:
             cache.entry["prepared"] = trace.fingerprint()
@@ -278,7 +282,7 @@ class PipelineBackend:
         executed = record.add_trace(execution.trace)
         if cache is not None:
             cache.stage_done(stage, lowered, execution, executed)
-        fn = BoxedStage().post_compile(executed.module)
+        fn = BoxedStage(loaded.boxed_code if loaded else None).post_compile(executed.module)
         why_not = None
         if self.state.config.cuda_graphs:
             why_not = loaded.why_not if loaded else cuda_graphs.why_not_recordable(

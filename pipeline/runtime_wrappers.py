@@ -66,10 +66,13 @@ class ModelTransformInputs(RuntimeWrapper):
 
 class BoxedStage(RuntimeWrapper):
     """A compiled stage (forward, backward, inference) takes its argument list and frees each input
-    after its last use (`boxed`). No metadata."""
+    after its last use (`boxed`); `stored`, its code kept in the cache. No metadata."""
+
+    def __init__(self, stored: Optional[tuple] = None):
+        self.stored = stored
 
     def post_compile(self, gm: fx.GraphModule):
-        return boxed(gm)
+        return boxed(gm, self.stored)
 
 
 def graph_wrappers(state) -> list[RuntimeWrapper]:

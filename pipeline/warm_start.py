@@ -36,6 +36,7 @@ class StageCode(OutputCode):
         self.assignment, self.why_not = assignment, why_not  # why_not: None, or why it is no CUDA graph
         self._graph_bytes: Optional[bytes] = None  # set for pickling (prepare_for_serialization)
         self._trace_fields: Optional[tuple] = None
+        self.boxed_code: Optional[tuple] = None  # the boxed stage's code (`boxed`), when it can be stored
 
     def __call__(self, inputs):
         return self.run(inputs)
@@ -49,17 +50,20 @@ class StageCode(OutputCode):
         t = self.executed
         self._graph_bytes = trace_pickle.dumps(unbuilt(t.module))
         self._trace_fields = (t.name, t.level, t.stage, t.inputs, t.outputs, t.provenance)
+        self.boxed_code = t.module.meta.get("boxed_code")
         self.run = self.executed = None
 
     def __getstate__(self):
         if self._graph_bytes is None:
             raise TypeError("StageCode pickles only after prepare_for_serialization")
         return {"stage": self.stage, "lowered": self.lowered, "assignment": self.assignment,
-                "why_not": self.why_not, "graph": self._graph_bytes, "trace": self._trace_fields}
+                "why_not": self.why_not, "graph": self._graph_bytes, "trace": self._trace_fields,
+                "boxed": self.boxed_code}
 
     def __setstate__(self, state):
         self.stage, self.lowered, self.assignment = state["stage"], state["lowered"], state["assignment"]
         self.why_not, self._graph_bytes, self._trace_fields = state["why_not"], state["graph"], state["trace"]
+        self.boxed_code = state["boxed"]
         self.run, self.executed, self._boxed_call = None, None, True
 
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:

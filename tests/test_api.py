@@ -314,28 +314,29 @@ def test_compiling_freezes_older_objects_for_the_gc_and_releases_them(mlp, monke
         gc.callbacks.remove(collecting)
 
 
-def test_objects_python_froze_before_the_pipeline_do_not_turn_the_freeze_off(mlp, monkeypatch):
-    """Python 3.12 starts with a few hundred objects frozen: not the program's own freeze, so the first call
-    still freezes (it had not on the GPU machine's Python 3.12); unfreezing releases those objects too.
-    A program that froze more before importing the pipeline (`None`) keeps its freeze: nothing frozen or released."""
+def test_objects_python_parks_among_the_frozen_do_not_turn_the_freeze_off(mlp, monkeypatch):
+    """Python 3.12 parks its immortal objects (~400) among the frozen ones at each full collection: not the
+    program's own freeze, so a first call after one still freezes (it had not, on the GPU machine's Python 3.12)
+    and releases everything after. A program's own `gc.freeze()` (its whole heap) is kept: nothing frozen or released."""
     import gc
     from pipeline import compiler
     monkeypatch.setenv("PIPELINE_CACHE", "0")
     frozen_in_capture = []
-    real_freeze = gc.freeze
+    real_freeze, real_count = gc.freeze, gc.get_freeze_count
     monkeypatch.setattr(gc, "freeze", lambda: (frozen_in_capture.append(compiler._gc_frozen[0]), real_freeze()))
-    real_freeze()  # stands in for the objects frozen before the pipeline was imported
+    real_freeze()  # the program's own
     try:
-        monkeypatch.setattr(compiler, "_frozen_by_python", [None])  # the program's: left alone
         pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
-        assert not frozen_in_capture and gc.get_freeze_count() > 0
-        torch._dynamo.reset()
-        monkeypatch.setattr(compiler, "_frozen_by_python", [gc.get_freeze_count()])  # Python's own
-        pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
-        assert frozen_in_capture and frozen_in_capture[0] is False  # the outermost block froze
-        assert gc.get_freeze_count() == 0 and compiler._frozen_by_python == [0]
+        assert not frozen_in_capture and real_count() >= compiler.PYTHONS_OWN_FROZEN
     finally:
         gc.unfreeze()
+    torch._dynamo.reset()
+    gc.collect()  # Python 3.12 parks its immortal objects here; 3.11 and 3.13 none
+    parked = real_count()
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: real_count() - parked + 400)  # 3.12's case on any Python
+    pipeline.jit(mlp, executors=["torch"])(torch.randn(4, 16))
+    assert frozen_in_capture and frozen_in_capture[0] is False  # the outermost block froze
+    assert real_count() < compiler.PYTHONS_OWN_FROZEN  # and released it all
 
 
 def test_lowering_renders_graphs_as_text_only_when_a_log_asks(mlp, monkeypatch):
