@@ -172,7 +172,7 @@ class InductorRegion:
     def __init__(self, compiled, gm: fx.GraphModule, pending=(), kernel_dir=None):
         self.compiled, self.kernel_dir = compiled, kernel_dir  # the cache dir its kernels compiled under
         self.pending = list(pending)  # (AsyncCompile, module scope) whose kernels may still be compiling
-        self.restride = _mismatched_strides(gm, _static_strides(getattr(compiled, "output_strides", None)))
+        self.restride = _mismatched_strides(gm, getattr(compiled, "output_strides", None))
 
     def wait_for_kernels(self) -> None:
         if self.pending:
@@ -347,21 +347,18 @@ def _nothing_to_fuse(gm: fx.GraphModule) -> str | None:
     return f"nothing to fuse (only library kernels {', '.join(names) or 'none'} and views); eager runs the same kernels"
 
 
-def _static_strides(strides) -> list:
-    """Inductor's output strides (printed expressions) as ints; None where one is symbolic."""
-    return [_static_stride(stride) for stride in strides or ()]
+def _mismatched_strides(region: fx.GraphModule, strides) -> list[tuple[int, tuple[int, ...]]]:
+    """The promised strides of the outputs Inductor lays out differently (copied into them when run). Its
+    `strides` are printed expressions: a symbolic one is not compared."""
+    actual = [_static_stride(stride) for stride in strides or ()]
+    return [(i, want) for i, want in promised_strides(region)
+            if i < len(actual) and actual[i] is not None and actual[i] != want]
 
 
 def _static_stride(stride) -> tuple[int, ...] | None:
     with contextlib.suppress(TypeError, ValueError):
         return None if stride is None else tuple(int(s) for s in stride)
     return None
-
-
-def _mismatched_strides(region: fx.GraphModule, actual) -> list[tuple[int, tuple[int, ...]]]:
-    """The promised strides of the outputs Inductor lays out differently (copied into them when run)."""
-    return [(i, want) for i, want in promised_strides(region)
-            if i < len(actual) and actual[i] is not None and tuple(actual[i]) != want]
 
 
 def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
