@@ -112,14 +112,17 @@ class _RegionBuilder:
         self.listed, self.autotune = listed, autotune  # autotune races among `listed` (not the fallback)
         self.autotune_seconds = 0.0
         self.keys: dict[int, str] = {}  # id(region source) -> its structure_key
+        self.described: dict[tuple, Region] = {}  # (id(region source), executor) -> its row, as `_describe` made it
         self.unfinished: list[tuple] = []  # compiled regions with work left running (`finish_region`)
 
     def build_all(self, named, first_region_id: int) -> list[Region]:
         regions = []
         for k, (sub_name, ex_name) in enumerate(named):
             source = self.gm.get_submodule(sub_name)
-            region = _describe(source, first_region_id + k, self.stage, ex_name, self.graph_id, self.order)
-            try:  # a warm start's twins share one source: hashed once
+            if (id(source), ex_name) not in self.described:  # a warm start's twins share one source: described once
+                self.described[id(source), ex_name] = _describe(source, 0, self.stage, ex_name, self.graph_id, self.order)
+            region = dataclasses.replace(self.described[id(source), ex_name], id=first_region_id + k)
+            try:  # and hashed once
                 if id(source) not in self.keys:
                     self.keys[id(source)] = structure_key(source)
                 structure, why_no_key = self.keys[id(source)], None
