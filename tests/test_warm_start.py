@@ -215,8 +215,9 @@ def test_a_stage_is_stored_partitioned_each_kind_of_region_once():
     warm, out1, grads1 = compile_and_step(model, x, executors=[_Matmuls(), "torch"])
     assert pipeline.compile_stats(warm).cache == {"g0": "hit"}, notes(warm)
     assert {r.executor for r in pipeline.regions(warm)} == {"matmuls", "torch"}
-    table = [(r.stage, r.executor, r.ops, r.compiled_as is None) for r in pipeline.regions(cold)]
-    assert [(r.stage, r.executor, r.ops, r.compiled_as is None) for r in pipeline.regions(warm)] == table
+    table = [(r.id, r.stage, r.executor, r.ops, r.compiled_as, r.input_shapes) for r in pipeline.regions(cold)]
+    assert [(r.id, r.stage, r.executor, r.ops, r.compiled_as, r.input_shapes) for r in pipeline.regions(warm)] == table
+    assert len({r.id for r in pipeline.regions(warm)}) == len(table)  # twins described once, each its own row
     assert torch.equal(out0, out1)
     assert_identical(grads0, grads1)
 
