@@ -92,8 +92,11 @@ def _label(spec: InputSpec) -> str:
 
 def _kind_from_source(node: fx.Node) -> InputKind:
     name = _source_name(node) or ""
-    kinds = {"._parameters[": InputKind.PARAMETER, "._buffers[": InputKind.BUFFER}
-    return next((kind for marker, kind in kinds.items() if marker in name), InputKind.USER_INPUT)
+    if "._parameters[" in name:
+        return InputKind.PARAMETER
+    if "._buffers[" in name:
+        return InputKind.BUFFER
+    return InputKind.USER_INPUT
 
 
 def _source_name(node: fx.Node) -> Optional[str]:

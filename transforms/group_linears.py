@@ -76,7 +76,8 @@ def _join(graph: fx.Graph, group: list[Match]) -> list[fx.Node]:
         for stack in (stacked,) if b is None else (stacked, b):
             stack.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         y = add_call(graph, torch._C._nn.linear, (x, stacked, b), fake_like(y0, (*y0.shape[:-1], sum(widths))))
-        pieces = [fake_like(y0, (*y0.shape[:-1], n), stride=node_value(y).stride()) for n in widths]
+        stride = node_value(y).stride()
+        pieces = [fake_like(y0, (*y0.shape[:-1], n), stride=stride) for n in widths]
         split = add_call(graph, torch.split, (y, widths, -1), tuple(pieces))
         made = []
         for i, node in enumerate(nodes):
