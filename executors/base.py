@@ -124,6 +124,16 @@ class Executor:
         linear with its own backward) for custom ops. Returns (trace, [(op, why it was left alone)])."""
         return trace, []
 
+    def binding(self):
+        """What `prepare` bound outside the graph, per model (state its ops name), for `bind_again`; None: it cannot be
+        bound again, so a warm start prepares again."""
+        return None
+
+    def bind_again(self, binding) -> bool:
+        """A warm start from an entry of this very graph: binds `binding` (from `binding()`) again instead of preparing,
+        or returns False, changing nothing, when this model's state cannot give the same one."""
+        return False
+
     def decompositions_before_partition(self) -> dict:
         """Decompositions (op -> fn) for AOTAutograd to apply to the joint graph, of ops this executor
         would decompose anyway, so the partitioner can recompute cheap parts instead of saving them."""

@@ -1,36 +1,24 @@
 """`ClaimTable`: which ops an executor claims, as a table `{op: checker | None}` (JAX's rule tables,
 Thunder's `op -> checker`; docs/executors.md, "Writing an executor")."""
 
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch.fx as fx
 
 Checker = Callable[[fx.Node], bool]
 
 
-class ClaimTable:
+class ClaimTable(dict):
     """Ops and, for each, None (claimed as it stands) or a checker `fn(node) -> bool` deciding per node."""
-
-    def __init__(self) -> None:
-        self._rules: dict[object, Optional[Checker]] = {}
 
     def register(self, *ops, checker: Optional[Checker] = None) -> None:
         """Claims each of `ops` (OpOverloads or Python callables); `checker`, when given, decides per node."""
         for op in ops:
-            self._rules[op] = checker
+            self[op] = checker
 
     def claims(self, op, node: fx.Node) -> bool:
         """Whether `op` is in the table and its checker, if any, accepts `node`."""
-        if op not in self._rules:
+        if op not in self:
             return False
-        check = self._rules[op]
+        check = self[op]
         return check is None or bool(check(node))
-
-    def __contains__(self, op) -> bool:
-        return op in self._rules
-
-    def __iter__(self) -> Iterator:
-        return iter(self._rules)
-
-    def __len__(self) -> int:
-        return len(self._rules)

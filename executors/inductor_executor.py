@@ -243,8 +243,7 @@ def _isa_probe_libraries() -> set[str]:
 
 
 def _own_dir() -> str | None:
-    """The pipeline cache's directory for Inductor's files, or None (cache off, or unusable: then
-    Inductor compiles into its own cache dir, as under torch.compile)."""
+    """`artifact_files_dir("inductor")`, or None also where it is unusable (then Inductor uses its own cache dir)."""
     try:
         return artifact_files_dir("inductor")
     except OSError:
@@ -252,8 +251,7 @@ def _own_dir() -> str | None:
 
 
 def _kernel_dir(path: str | None):
-    """Inductor's cache dir (which it reads from `TORCHINDUCTOR_CACHE_DIR` at every use, and hands to
-    its compile workers) set to `path` for the duration; nothing changes when `path` is None."""
+    """Inductor's cache dir set to `path` (`environ_set`): Inductor and its workers read it from the environment."""
     return environ_set("TORCHINDUCTOR_CACHE_DIR", path)
 
 

@@ -120,7 +120,7 @@ class _RegionBuilder:
         for k, (sub_name, ex_name) in enumerate(named):
             source = self.gm.get_submodule(sub_name)
             if (id(source), ex_name) not in self.described:  # a warm start's twins share one source: described once
-                self.described[id(source), ex_name] = _describe(source, 0, self.stage, ex_name, self.graph_id, self.order)
+                self.described[id(source), ex_name] = _describe(source, self.stage, ex_name, self.graph_id, self.order)
             region = dataclasses.replace(self.described[id(source), ex_name], id=first_region_id + k)
             try:  # and hashed once
                 if id(source) not in self.keys:
@@ -362,14 +362,13 @@ def _claims_all(ex: Executor, gm: fx.GraphModule) -> bool:
                if n.op == "call_function" and n.target is not operator.getitem)
 
 
-def _describe(source: fx.GraphModule, rid: int, stage: str, ex_name: str, graph_id: str,
-              order: Sequence[Executor]) -> Region:
+def _describe(source: fx.GraphModule, stage: str, ex_name: str, graph_id: str, order: Sequence[Executor]) -> Region:
     nodes = list(source.graph.nodes)
     ops = [op_name(n.target) for n in nodes if n.op == "call_function" and n.target is not operator.getitem]
     ins = [describe_value(node_value(n)) for n in nodes if n.op == "placeholder"]
     outs = [describe_value(node_value(a)) if isinstance(a, fx.Node) else repr(a) for a in nodes[-1].args[0]]
     flops = [gemm_flops(n, order) for n in nodes if n.op == "call_function"]  # executors' hooks count their own ops
-    return Region(id=rid, stage=stage, executor=ex_name, ops=ops, input_shapes=ins,
+    return Region(id=0, stage=stage, executor=ex_name, ops=ops, input_shapes=ins,  # id: set by the caller
                   output_shapes=outs, graph_id=graph_id, gemm_flops=sum(f for f, _ in flops),
                   fp8_gemm_flops=sum(f for f, fp8 in flops if fp8))
 
@@ -410,8 +409,5 @@ def unbuilt(executed: fx.GraphModule) -> fx.GraphModule:
 
 
 def _set_region_values(gm: fx.GraphModule) -> None:
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            sub = gm.get_submodule(node.target).source
-            out = list(sub.graph.nodes)[-1].args[0]
-            node.meta["val"] = tuple(node_value(a) if isinstance(a, fx.Node) else a for a in out)
+    for node in gm.graph.find_nodes(op="call_module"):  # its region's outputs, as its check expects them
+        node.meta["val"] = tuple(gm.get_submodule(node.target).check.expected)

@@ -38,13 +38,9 @@ def pass_symbol_inputs(gm: fx.GraphModule) -> None:
 
 def _add_inputs(region: fx.GraphModule, call: fx.Node, values: list[fx.Node]) -> None:
     """Appends placeholders for `values` to the region's graph and the values to its call."""
-    placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
-    after = placeholders[-1] if placeholders else None
-    for value in values:
-        with (region.graph.inserting_after(after) if after is not None
-              else region.graph.inserting_before(next(iter(region.graph.nodes)))):
+    with region.graph.inserting_before(next(n for n in region.graph.nodes if n.op != "placeholder")):
+        for value in values:  # each after the last placeholder, in order
             p = region.graph.placeholder(f"{value.name}_symbol")
-        p.meta.update({k: v for k, v in value.meta.items() if k in ("val", "example_value", "tensor_meta")})
-        after = p
+            p.meta.update({k: v for k, v in value.meta.items() if k in ("val", "example_value", "tensor_meta")})
     call.args = tuple(call.args) + tuple(values)
     region.recompile()

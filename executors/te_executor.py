@@ -157,6 +157,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         self.recipe = recipe
         self.grouping = group_linears  # None: the default, which depends on fp8 (see options)
         self.scaling: DelayedScalingState | None = None  # per jitted model, see for_model
+        self.state_device: str | None = None  # where `_allocate_state` put what the ops keep
 
     @property
     def group_linears(self) -> bool:
@@ -285,10 +286,28 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         node.replace_all_uses_with(first)
         graph.erase_node(node)
 
+    def binding(self) -> tuple:
+        """The delayed-scaling handle and linears' indices `prepare` gave the ops, and the device of their state."""
+        return (self.scaling.handle, dict(self.scaling.names)) if self.scaling else (-1, {}), self.state_device
+
+    def bind_again(self, binding: tuple) -> bool:
+        """Registers the stored linears again when this model's state gives them the same indices: none registered
+        yet, or the first ones the same (another graph of this model); then allocates their state."""
+        (handle, names), device = binding
+        have, own_handle = (self.scaling.names, self.scaling.handle) if self.scaling else ({}, -1)
+        if handle != own_handle or list(have.items()) != list(names.items())[:len(have)]:
+            return False
+        for name in names:
+            self.scaling.register(name)
+        if device is not None:
+            self._allocate_state(torch.device(device))
+        return True
+
     def _allocate_state(self, device: torch.device) -> None:
         """What the TE ops keep across calls (cuBLAS workspace, quantizers' scales, delayed-scaling
         history) is allocated now, at compile time: allocated during a first call, it would land in
         the memory pool of a CUDA graph's warm-up (`cuda_graphs=True`), which must hold only that call's tensors."""
+        self.state_device = str(device)
         if device.type != "cuda" or self.unavailable_reason() is not None:
             return
         from transformer_engine.pytorch.cpp_extensions.gemm import get_cublas_workspace

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves
 
 from .trace import node_value
 from .verify import TraceError
@@ -111,16 +112,7 @@ def _introduced(node: fx.Node, exprs: list) -> set:
 
 def _literals(args) -> list:
     """The expressions of SymInts written into `args` as constants (a graph value would be a Node)."""
-    found, stack = [], [args]
-    while stack:
-        a = stack.pop()
-        if isinstance(a, (tuple, list)):
-            stack.extend(a)
-        elif isinstance(a, dict):
-            stack.extend(a.values())
-        elif isinstance(a, _SYMBOLIC):
-            found.append(a.node.expr)
-    return found
+    return [a.node.expr for a in tree_leaves(args) if isinstance(a, _SYMBOLIC)]
 
 
 def _static(placeholders) -> bool:

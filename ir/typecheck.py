@@ -1,7 +1,6 @@
 """Type checking of traces, as JAX's `check_jaxpr` re-derives every equation: each node's value re-derived
 with fake tensors and compared with the metadata the trace claims, and a pass's outputs compared with
-those of the trace it was given (docs/passes.md, "What is checked"). After a pass only the nodes it
-created or changed are re-derived; `check_types(trace)` without `before` re-derives every node."""
+those of the trace it was given (docs/passes.md, "What is checked"); after a pass, only the nodes it changed."""
 
 from typing import Any, Optional
 
@@ -39,10 +38,9 @@ def check_types(trace: Trace, *, before: Optional[Trace] = None, pass_name: str 
 def _check_nodes(trace: Trace, known: set, who: str, entered: list) -> None:
     env: dict[fx.Node, Any] = {}
     for node in trace.graph.nodes:
+        claimed = env[node] = node_value(node)  # what later nodes are checked against
         if node.op in ("placeholder", "output", "get_attr"):
-            env[node] = node_value(node)
             continue
-        claimed = node_value(node)
         if node.target in _STATEFUL:
             env[node] = _run(node, env)
             if node.target is torch.amp.autocast_mode._enter_autocast:
@@ -51,7 +49,6 @@ def _check_nodes(trace: Trace, known: set, who: str, entered: list) -> None:
                 entered.remove(env[node.args[0]]) if env[node.args[0]] in entered else None
             continue
         if _key(node) in known or not _derivable(node, claimed):
-            env[node] = claimed
             continue
         try:
             derived = _run(node, env)
@@ -62,7 +59,6 @@ def _check_nodes(trace: Trace, known: set, who: str, entered: list) -> None:
                              f"{type(e).__name__}: {str(e).strip()[:300]}\n{_context(node)}") from e
         if problem := _difference(claimed, derived):
             raise TraceError(f"{who}: node {node.name!r} claims {problem}\n{_context(node)}")
-        env[node] = claimed
 
 
 def _check_outputs(before: Trace, after: Trace, who: str, dtypes_may_change: bool) -> None:

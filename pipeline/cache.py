@@ -7,6 +7,7 @@ import functools
 import hashlib
 import inspect
 import os
+import pathlib
 import pickle
 import stat
 import sys
@@ -82,12 +83,9 @@ def pipeline_source_hash() -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digest = hashlib.sha256()
     for package in ("ir", "executors", "pipeline", "transforms"):
-        for folder, _, files in sorted(os.walk(os.path.join(root, package))):
-            for name in sorted(f for f in files if f.endswith(".py")):
-                path = os.path.join(folder, name)
-                digest.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as f:
-                    digest.update(f.read())
+        for path in sorted(pathlib.Path(root, package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -157,8 +155,7 @@ _roots: dict[str, object] = {}  # cache root -> its HMAC key (bytes), or why it 
 
 
 def trusted_key(root: str) -> bytes:
-    """The HMAC key of the cache at `root`, checking the root once per process (see cache_files).
-    Raises `Untrusted` (the first time with one warning): the cache is then off for the process."""
+    """The HMAC key of the cache at `root`, checked once a process (cache_files); raises `Untrusted` after `refuse`."""
     if root not in _roots:
         try:
             cache_files.check_parents(root)
@@ -220,8 +217,7 @@ def read_entry(key: str) -> Optional[dict]:
 
 
 def write_entry(key: str, entry: dict, root: Optional[str] = None) -> None:
-    """Writes atomically (a 0600 temporary file in the same 0700 folder, then `os.replace`), sealed
-    with this user's key, under `root` (default: `cache_root()`)."""
+    """Writes `entry` sealed with this user's key under `root` (default: `cache_root()`), atomically (`write_file`)."""
     root = root or cache_root()
     secret, path = trusted_key(root), entry_path(key, root)
     cache_files.private_dir(os.path.dirname(path))

@@ -128,9 +128,7 @@ class Checkpoint(contextlib.ExitStack):
 def _unsharded_state(cm, sharded) -> dict:
     """The state dict without the row-sharded parameters (and their extra state)."""
     replaced = {q: r for q, r in cm._state.config.replaced.items() if q not in sharded}
-    out = model_state.state_dict(cm._original.state_dict(), replaced)
-    for executor in cm._state.config.executors:
-        out.update(executor.extra_state())
+    out = model_state.state_dict(cm._original.state_dict(), replaced, cm._state.config.executors)
     return {k: v for k, v in out.items() if k not in sharded}
 
 

@@ -136,27 +136,13 @@ class PipelineBackend:
         wrappers = graph_wrappers(state)  # e.g. model-changing transforms (stage 2) feed their tensors
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
         timed_verify(record, trace)
-        rewrote, checks = [], []  # executors whose prepare changed the graph: it may bind per-model state (TE's fp8 scaling)
-        start = time.perf_counter()
-        for executor in state.config.executors:  # model-level swaps (stage 2), e.g. TE's linears
-            prepared, notes = executor.prepare(_executor_passes(executor, trace))
-            record.fallbacks += notes
-            if prepared is not trace:
-                checks.append((trace, prepared, f"{executor.name}.prepare"))
-                trace = record.add_trace(prepared)
-                rewrote.append(f"{executor.name}.prepare")
-        record.seconds["prepare"] += time.perf_counter() - start  # a warm start too: it binds this model's state
-        # prepare's ops may name per-model state (TE's scaling handle): load only the very same graph
-        if cache is not None and rewrote:
-            cache.entry["prepared"] = trace.fingerprint()
-        if cache is None or cache.stored is None or cache.stored.get("prepared") != cache.entry.get("prepared"):
-            for before, after, step in checks:  # else the very graph that passed them when it was stored
-                check_built_in(before, after, step, record)
-        if cache is not None and cache.stored is not None and cache.stored.get("prepared") != cache.entry.get("prepared"):
-            record.cache_notes.append(f"no warm start: {', '.join(rewrote) or 'prepare'} made another graph than "
-                                      f"the stored one (its ops name per-model state: another jit order?)")
-        elif cache is not None and (warm := self._warm_start(cache, trace, example_inputs,
-                                                             wrapper_metadata(wrappers), record)):
+        metadata = wrapper_metadata(wrappers)
+        bound = self._bound_again(cache, record)  # a warm start binds what prepare bound, without preparing
+        warm = bound and self._warm_start(cache, example_inputs, metadata, record)
+        if not warm:
+            trace, may_load = self._prepare(trace, cache, record)
+            warm = may_load and not bound and self._warm_start(cache, example_inputs, metadata, record)
+        if warm:
             return post_compile_all(wrappers, warm)
         trace = self._run_passes("before_autodiff", trace, record)
         recording = self._records_warm_start(cache, trace, example_inputs, record)
@@ -181,7 +167,48 @@ class PipelineBackend:
             cache.wrappers_done(wrapper_metadata(wrappers))
         return post_compile_all(wrappers, compiled)
 
-    def _warm_start(self, cache, trace: Trace, example_inputs, wrappers: list, record: GraphRecord):
+    def _prepare(self, trace: Trace, cache, record: GraphRecord) -> tuple[Trace, bool]:
+        """Each executor's `prepare` (model-level swaps, e.g. TE's linears). Its ops may name per-model state (TE's
+        fp8 scaling): a stored entry loads only if made from the very same graph. Returns (trace, whether it may)."""
+        rewrote, checks, notes, bound = [], [], [], {}
+        start = time.perf_counter()
+        for i, executor in enumerate(self.state.config.executors):
+            prepared, its_notes = executor.prepare(_executor_passes(executor, trace))
+            notes += its_notes
+            if prepared is not trace:
+                checks.append((trace, prepared, f"{executor.name}.prepare"))
+                trace = record.add_trace(prepared)
+                rewrote.append(f"{executor.name}.prepare")
+                bound[i] = executor.binding()
+        record.fallbacks += notes
+        record.seconds["prepare"] += time.perf_counter() - start
+        if cache is not None and rewrote:
+            cache.entry.update(prepared=trace.fingerprint(), prepare_notes=notes,
+                               bound=None if None in bound.values() else bound)
+        stored = cache.stored if cache is not None else None
+        if stored is not None and stored.get("prepared") == cache.entry.get("prepared"):
+            return trace, True
+        for before, after, step in checks:  # else the very graph that passed them when it was stored
+            check_built_in(before, after, step, record)
+        if stored is not None:
+            record.cache_notes.append(f"no warm start: {', '.join(rewrote) or 'prepare'} made another graph than "
+                                      f"the stored one (its ops name per-model state: another jit order?)")
+        return trace, False
+
+    def _bound_again(self, cache, record: GraphRecord) -> bool:
+        """Whether, for a stored entry of this very graph, each executor whose `prepare` rewrote it bound again what it
+        had bound (`bind_again`: TE's fp8 scaling state), so that its stages load without preparing."""
+        stored = cache.stored if cache is not None else None
+        if not stored or stored.get("bound") is None:
+            return False
+        start, executors = time.perf_counter(), self.state.config.executors
+        if bound := all(executors[i].bind_again(binding) for i, binding in stored["bound"].items()):
+            record.fallbacks += stored["prepare_notes"]
+            cache.entry.update({key: stored[key] for key in ("prepared", "prepare_notes", "bound")})
+        record.seconds["prepare"] += time.perf_counter() - start
+        return bound
+
+    def _warm_start(self, cache, example_inputs, wrappers: list, record: GraphRecord):
         """The compiled function from a stored entry, with no lowering (`warm_start`); None when the
         entry has none, or it does not load (then the graph compiles, the reason noted)."""
         stored = cache.stored if cache is not None else None

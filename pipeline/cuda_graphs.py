@@ -55,8 +55,7 @@ def why_not_recordable(trace: Trace, example_inputs: Sequence, executors) -> Opt
 
 
 def record_stage(fn: Callable, trace: Trace, example_inputs: Sequence, *, stage: str) -> Callable:
-    """`fn` (a boxed stage running `trace`: takes the argument list and empties it) recorded and
-    replayed through cudagraph trees."""
+    """`fn` (a boxed stage running `trace`) recorded and replayed through cudagraph trees."""
     from torch._inductor.cudagraph_trees import cudagraphify_impl
     from torch._inductor.cudagraph_utils import get_placeholder_info
     run = cudagraphify_impl(fn, list(example_inputs), static_inputs(trace), device_index=_device_of(trace).index or 0,

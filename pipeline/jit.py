@@ -335,10 +335,8 @@ class JittedModule(torch.nn.Module):
 
     def state_dict(self, *args, **kwargs):
         """The original model's state dict (keys and full shapes), whatever transforms did."""
-        out = model_state.state_dict(self._original.state_dict(*args, **kwargs), self._state.config.replaced)
-        for executor in self._state.config.executors:  # e.g. TE's fp8 scaling state, `<module>._extra_state.*`
-            out.update(executor.extra_state())
-        return out
+        config = self._state.config
+        return model_state.state_dict(self._original.state_dict(*args, **kwargs), config.replaced, config.executors)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if taken := set().union(*(e.load_extra_state(state_dict) for e in self._state.config.executors)):

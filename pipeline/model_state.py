@@ -131,8 +131,9 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
     return trace.derive(gm, by=names or "model_transforms", inputs=specs), inputs
 
 
-def state_dict(original_state: dict, replaced: dict[str, Replaced]) -> dict:
-    """The original model's state dict, replaced parameters decoded, transform state under `_extra_state` keys."""
+def state_dict(original_state: dict, replaced: dict[str, Replaced], executors=()) -> dict:
+    """The original model's state dict, replaced parameters decoded; transforms' and `executors`' state (TE's fp8
+    scaling state, say) under `_extra_state` keys."""
     out = dict(original_state)
     for qualname, r in replaced.items():
         if qualname in out:
@@ -140,6 +141,8 @@ def state_dict(original_state: dict, replaced: dict[str, Replaced]) -> dict:
             extra = r.transform.extra_state(r.tensors, r.original)
             for suffix, key in r.extra_keys().items():
                 out[key] = extra[suffix].detach().clone()
+    for executor in executors:
+        out.update(executor.extra_state())
     return out
 
 

@@ -65,8 +65,7 @@ class ModelTransformInputs(RuntimeWrapper):
 
 
 class BoxedStage(RuntimeWrapper):
-    """A compiled stage (forward, backward, inference) takes its argument list and frees each input
-    after its last use (`boxed`); `stored`, its code kept in the cache. No metadata."""
+    """A compiled stage that frees each input after its last use (`boxed`); `stored`: its cached code. No metadata."""
 
     def __init__(self, stored: Optional[tuple] = None):
         self.stored = stored

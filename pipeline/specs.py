@@ -41,13 +41,11 @@ def _lowered_input_spec(node: fx.Node, position: int, captured: Sequence[InputSp
         return InputSpec(InputKind.TANGENT, node.name)
     if isinstance(desc, _SEEDS) or isinstance(node_value(node), torch.Generator):  # graph-safe RNG state
         return InputSpec(InputKind.SEED, node.name)
+    origin = _captured_input(desc, captured)
     if stage == Stage.BACKWARD:  # a forward input saved for backward keeps its qualified name
-        origin = _captured_input(desc, captured)
-        return InputSpec(InputKind.SAVED, node.name, origin and (origin.qualname or origin.name))
+        return InputSpec(InputKind.SAVED, node.name, origin and _label(origin))
     if desc is None:  # not from AOTAutograd's tracing: the captured inputs, in order
         origin = captured[position] if position < len(captured) else None
-    else:
-        origin = _captured_input(desc, captured)
     if origin is None:
         return InputSpec(InputKind.USER_INPUT, node.name)
     return InputSpec(origin.kind, node.name, origin.qualname)

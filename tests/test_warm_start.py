@@ -266,6 +266,57 @@ def test_te_and_nvfuser_regions_are_cached_and_a_warm_start_loads_them(te_on_cpu
     assert {"te", "nvfuser"} <= {r.executor for r in pipeline.regions(warm)}
 
 
+def test_a_warm_start_binds_what_te_prepare_bound_without_preparing_again(te_on_cpu, monkeypatch):
+    """TE's `prepare` (and the `group_linears` it asks for) runs at a cold start only: the entry keeps what it
+    bound (`binding`), a warm start binds that again (`bind_again`) and loads the stored stages, with the same
+    regions and results. When the executor cannot bind it again, a warm start prepares as before."""
+    from executors.te_executor import TEExecutor
+    from models import Llama, LlamaConfig
+    config = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, max_seq=16)
+    torch.manual_seed(0)
+    model, x = Llama(config), torch.randint(0, 64, (2, 8))
+    cold, out0, grads0 = compile_and_step(model, x, executors=[te_on_cpu, "torch"])
+    prepared = []
+    real_prepare = TEExecutor.prepare
+    monkeypatch.setattr(TEExecutor, "prepare", lambda self, trace: prepared.append(1) or real_prepare(self, trace))
+    warm, out1, grads1 = compile_and_step(model, x, executors=[te_on_cpu, "torch"])
+    stats = pipeline.compile_stats(warm)
+    assert stats.cache == {"g0": "hit"} and "lower" not in stats.seconds and not prepared, notes(warm)
+    assert "te" in {r.executor for r in pipeline.regions(warm)}
+    assert [(r.stage, r.executor, r.ops) for r in pipeline.regions(warm)] == \
+        [(r.stage, r.executor, r.ops) for r in pipeline.regions(cold)]
+    assert torch.equal(out0, out1)
+    assert_identical(grads0, grads1)
+    monkeypatch.setattr(TEExecutor, "bind_again", lambda self, binding: False)
+    again, out2, _ = compile_and_step(model, x, executors=[te_on_cpu, "torch"])
+    assert pipeline.compile_stats(again).cache == {"g0": "hit"} and prepared, notes(again)
+    assert torch.equal(out0, out2)
+
+
+def test_te_binds_delayed_scaling_again_only_to_the_same_handle_and_indices():
+    """`bind_again` registers the stored linears in their order on a fresh state, or on one whose first linears are
+    the same (another graph of the model); another handle or other linears first: refused, the state unchanged."""
+    from executors.te_executor import TEExecutor
+
+    class DelayedScaling:  # stands in for transformer_engine.common.recipe.DelayedScaling (not on CPU)
+        margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo = 0, 8, "max", None
+
+    cold = TEExecutor().fp8(DelayedScaling()).for_model()
+    for name in ("wq.weight", "wo.weight", "w1.weight"):
+        cold.scaling.register(name)
+    binding = cold.binding()
+    warm = TEExecutor().fp8(DelayedScaling()).for_model()
+    assert not warm.bind_again(binding) and warm.scaling.names == {}  # another handle: another jitted model
+    warm.scaling.handle = cold.scaling.handle  # as the first jitted model of another process has
+    warm.scaling.register("w2.weight")
+    assert not warm.bind_again(binding) and warm.scaling.names == {"w2.weight": 0}
+    warm.scaling.names.clear()
+    warm.scaling.register("wq.weight")
+    assert warm.bind_again(binding) and warm.scaling.names == cold.scaling.names
+    bf16 = TEExecutor()
+    assert bf16.bind_again(bf16.binding())
+
+
 def test_a_stage_reading_a_constant_outside_its_regions_starts_warm():
     """A tensor made in forward (`torch.tensor([...])`) is a constant of the lowered stages, read by a
     `get_attr` outside the regions: it is stored with the stage, and the warm start computes the same."""

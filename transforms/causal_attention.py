@@ -117,10 +117,9 @@ def _ancestors(node: fx.Node) -> Optional[list[fx.Node]]:
         if (n.op not in ("call_function", "call_method", "get_attr") or n.is_impure() or writes_into(n)
                 or any(r in name for r in _NOT_CONSTANT) or not isinstance(size, int) or size > _LARGEST):
             return None
-        for i in n.all_input_nodes:
-            if i not in seen:
-                seen.add(i)
-                work.append(i)
+        new = [i for i in n.all_input_nodes if i not in seen]
+        seen.update(new)
+        work += new
     return None if _written(seen) else [n for n in node.graph.nodes if n in seen]
 
 

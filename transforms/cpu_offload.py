@@ -22,19 +22,20 @@ def cpu_offload(min_bytes: int = 1 << 16) -> TracePass:
         return isinstance(value, torch.Tensor) and _nbytes(value) >= min_bytes
 
     def apply(trace: Trace) -> Trace:
-        if trace.stage == Stage.FORWARD:
-            gm = _offload_saved_outputs(trace, offloaded)
-        elif trace.stage == Stage.BACKWARD:
-            gm = _reload_saved_inputs(trace, offloaded)
-        else:
+        if trace.stage not in (Stage.FORWARD, Stage.BACKWARD):
             return trace
+        gm = trace.editable()
+        if trace.stage == Stage.FORWARD:
+            _offload_saved_outputs(gm, trace, offloaded)
+        else:
+            _reload_saved_inputs(gm, trace, offloaded)
+        gm.recompile()
         return trace.derive(gm, by="cpu_offload")
 
     return TracePass(apply, runs_on="after_autodiff", name="cpu_offload")
 
 
-def _offload_saved_outputs(trace: Trace, offloaded) -> fx.GraphModule:
-    gm = trace.editable()
+def _offload_saved_outputs(gm: fx.GraphModule, trace: Trace, offloaded) -> None:
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(output.args[0])
     for i, (value, spec) in enumerate(zip(values, trace.outputs)):
@@ -50,12 +51,9 @@ def _offload_saved_outputs(trace: Trace, offloaded) -> fx.GraphModule:
         copy.meta["val"] = _on_cpu(fake)
         values[i] = copy
     output.args = (tuple(values),)
-    gm.recompile()
-    return gm
 
 
-def _reload_saved_inputs(trace: Trace, offloaded) -> fx.GraphModule:
-    gm = trace.editable()
+def _reload_saved_inputs(gm: fx.GraphModule, trace: Trace, offloaded) -> None:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node, spec in zip(list(gm.graph.nodes), trace.inputs):
         if node.op != "placeholder" or spec.kind != InputKind.SAVED or spec.qualname is not None:
@@ -70,8 +68,6 @@ def _reload_saved_inputs(trace: Trace, offloaded) -> fx.GraphModule:
         reload.meta["val"] = fake
         node.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)
         node.meta["val"] = _on_cpu(fake)
-    gm.recompile()
-    return gm
 
 
 def _on_cpu(fake: torch.Tensor) -> torch.Tensor:

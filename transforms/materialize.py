@@ -24,10 +24,6 @@ class Materialize:
         """Gives every meta tensor of `model` storage and values; `skip`: state-dict keys already
         loaded (by model transforms that read their own slices)."""
         on_meta = [(name, m) for name, m in model.named_modules() if _has_meta_state(m)]
-        if not on_meta:
-            if self.checkpoint is not None:  # the user asked for the file's values: never ignore it
-                load_tensors(model, self.checkpoint, skip)
-            return
         # Without a checkpoint every module initialises itself; with one, those whose state the file
         # cannot hold (non-persistent buffers, such as rotary tables) still must.
         needs_init = [(name, m) for name, m in on_meta if self.checkpoint is None or _non_persistent_buffers(m)]
@@ -41,7 +37,7 @@ class Materialize:
         with torch.no_grad():
             for _, module in needs_init:
                 module.reset_parameters()
-        if self.checkpoint is not None:
+        if self.checkpoint is not None:  # the user asked for the file's values: loaded even with nothing on meta
             load_tensors(model, self.checkpoint, skip)
 
 

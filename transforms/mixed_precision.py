@@ -29,8 +29,7 @@ def mixed_precision(dtype: str = "bf16") -> TracePass:
         with graph.inserting_before(first_op):
             enter = graph.call_function(torch.amp.autocast_mode._enter_autocast, (device, low, True, None))
         enter.meta["val"] = None
-        output = next(n for n in reversed(graph.nodes) if n.op == "output")
-        with graph.inserting_before(output):
+        with graph.inserting_before(graph.output_node()):
             leave = graph.call_function(torch.amp.autocast_mode._exit_autocast, (enter,))
         leave.meta["val"] = None
         gm.recompile()
