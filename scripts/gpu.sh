@@ -11,6 +11,7 @@
 #                              Inductor's on the same graphs; arguments passed on).
 #   scripts/gpu.sh casts [..]  on the GPU machine: benchmarks/fp8_cast_fusion_gpu.py (what an fp8 cast
 #                              costs beside the kernel making its input, TE's way vs in the graph).
+# FlashAttention-4 for benchmarks/sdpa_gpu.py travels apart, in two parts: scripts/fa4_bundle.sh.
 #
 # With this workplace's device tool: run(command="scripts/gpu.sh tests", carry=[".device", ".whl"]).
 # To run exactly the committed tree while the working tree has edits in flight, snapshot it first:
