@@ -34,9 +34,12 @@ case "${1:-}" in
     mkdir -p "$SITE/$(dirname $IR)" "$SITE/$(dirname $RUNTIME)"
     if [ "${2:-}" = a ]; then xz -dc .fa4a/cutlass_ir.so.xz > "$SITE/$IR"; exit 0; fi
     [ -s "$SITE/$IR" ] || { echo "part a is missing on this machine: run 'unpack a' first (same warm machine)"; exit 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .fa4b/*.whl
+    # pip --target skips a package folder that exists (part a made nvidia_cutlass_dsl/): install apart, then merge
+    rm -rf "$SITE.b"; python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE.b" .fa4b/*.whl
+    cp -a "$SITE.b/." "$SITE/"
     tar -C "$SITE" -xf .fa4b/cu13_rest.tar
-    xz -dc .fa4b/cute_dsl_runtime.so.xz > "$SITE/$RUNTIME" ;;
+    xz -dc .fa4b/cute_dsl_runtime.so.xz > "$SITE/$RUNTIME"
+    PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages python3 -c "import flash_attn.cute" ;;
   env)  # sourced: the .pth files of the bundle's packages, read as a site directory
     export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
     return 0 2>/dev/null || exit 0 ;;
