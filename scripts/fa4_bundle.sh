@@ -8,10 +8,12 @@
 #   scripts/fa4_bundle.sh unpack a   on the GPU machine, first call, carry [".fa4a"]
 #   scripts/fa4_bundle.sh unpack b   on the GPU machine, second call, carry [".fa4b"]: installs into
 #                                    /tmp/fa4site; then `source scripts/fa4_bundle.sh env` before python
-set -euo pipefail
+[[ "${BASH_SOURCE[0]}" == "$0" ]] && set -euo pipefail  # not in a shell that sources `env`
 SITE=/tmp/fa4site
 IR=nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so
 RUNTIME=nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so
+# What the bundle's .pth file would add, were /tmp/fa4site a site directory (PYTHONPATH reads no .pth)
+PATHS=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages
 
 case "${1:-}" in
   pack)
@@ -39,9 +41,9 @@ case "${1:-}" in
     cp -a "$SITE.b/." "$SITE/"
     tar -C "$SITE" -xf .fa4b/cu13_rest.tar
     xz -dc .fa4b/cute_dsl_runtime.so.xz > "$SITE/$RUNTIME"
-    PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages python3 -c "import flash_attn.cute" ;;
-  env)  # sourced: the .pth files of the bundle's packages, read as a site directory
-    export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+    PYTHONPATH=$PATHS python3 -c "import flash_attn.cute" ;;
+  env)  # sourced
+    export PYTHONPATH=$PATHS:${PYTHONPATH:-}
     return 0 2>/dev/null || exit 0 ;;
   *) echo "usage: scripts/fa4_bundle.sh pack | unpack a|b | env"; exit 2 ;;
 esac
