@@ -382,6 +382,18 @@ def run_row(name, how, config, batches, args):
         extra["saved_for_backward"] = (["not measurable: the stages replay as CUDA graphs"] if replayed
                                        else saved_for_backward(step_fn, batches[0], model.parameters()))
         opt.zero_grad(set_to_none=True)
+    if args.peak_memory:
+        replayed = how not in (None, "compile") and "on" in pipeline.compile_stats(step_fn).cuda_graphs.values()
+        if replayed or DEVICE != "cuda":
+            extra["peak_memory"] = ["not measurable: the stages replay as CUDA graphs, or no GPU"]
+        else:
+            from memory_peak import peak_breakdown, record_step
+
+            def recorded_step():
+                step_fn(batches[0]).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            extra["peak_memory"] = peak_breakdown(record_step(recorded_step))
     if profile:
         def one_step():
             step_fn(batches[0]).backward()
@@ -410,6 +422,8 @@ def main():
                         help="default passes the pipeline rows leave out (pipeline.without): what they gain")
     parser.add_argument("--saved-tensors", action="store_true",
                         help="+ what a step keeps for its backward, by dtype and shape (rows without CUDA graphs)")
+    parser.add_argument("--peak-memory", action="store_true",
+                        help="what is alive at a step's peak and where it was allocated (rows without CUDA graphs)")
     parser.add_argument("--first-step-profile", action="store_true",
                         help="where the first step's host time goes (cProfile: compile, cache loads, capture); "
                              "with --cache only the last warm run is profiled, so the others' times stay clean")
@@ -520,6 +534,7 @@ def run_in_subprocess(name, args, kept_caches=None):
         last_warm = f"({'warm' if args.warm_runs < 2 else f'warm {args.warm_runs}'})"
         cmd += ["--first-step-profile"] if args.first_step_profile and (not kept_caches or name.endswith(last_warm)) else []
         cmd += ["--saved-tensors"] if args.saved_tensors else []
+        cmd += ["--peak-memory"] if args.peak_memory else []
         cmd += ["--without", *args.without] if args.without else []
         watched = [caches, os.path.expanduser("~/.nv"), os.path.expanduser("~/.triton"), os.path.expanduser("~/.cache")]
         before = files_under(watched) if kept_caches else {}

@@ -1,0 +1,78 @@
+"""What is alive on the GPU at a step's peak, and which code allocated it: `train_gpu.py --peak-memory`.
+
+Records the CUDA caching allocator's history (torch.cuda.memory._record_memory_history, Python stacks) over
+one step, replays its alloc / free events to find the moment of the largest allocated total, and lists
+the blocks alive then, grouped by where they were allocated: the innermost frame of our code (pipeline/,
+executors/, models/) or of a stage's generated code, with that line's source, and the innermost torch
+frame. Blocks allocated before the step (parameters, optimizer state) are one line, "before the step".
+Blind inside a CUDA-graph replay (its pool was allocated at recording): run rows without CUDA graphs."""
+import collections
+import linecache
+import re
+
+import torch
+
+OURS = re.compile(r"/(pipeline|executors|models|transforms|passes)/|^<eval_with_key>|^<boxed")
+
+
+def record_step(step) -> dict:
+    """The allocator's snapshot after running `step()` with its history recorded."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    snapshot["allocated_before"] = before
+    return snapshot
+
+
+def where(frames: list) -> str:
+    """Our innermost frame (with its source line when it is generated code) and torch's innermost."""
+    ours = next((f for f in frames if OURS.search(f["filename"])), None)
+    torch_frame = next((f for f in frames if "/torch/" in f["filename"]), None)
+    parts = []
+    if ours is not None:
+        line = linecache.getline(ours["filename"], ours["line"]).strip()
+        parts.append(f"{ours['filename'].rsplit('/', 1)[-1]}:{ours['line']} {ours['name']}"
+                     + (f" `{line[:90]}`" if line and ours["filename"].startswith("<") else ""))
+    if torch_frame is not None:
+        parts.append(f"torch {torch_frame['filename'].split('/torch/')[-1]}:{torch_frame['line']} {torch_frame['name']}")
+    return " | ".join(parts) or (frames[0]["name"] if frames else "no Python frame")
+
+
+def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
+    """Lines: the peak's total, then the live blocks at that moment grouped by `where`, largest first."""
+    base = snapshot.get("allocated_before", 0)
+    live: dict[int, tuple[int, list]] = {}
+    total = peak = base
+    at_peak: dict[int, tuple[int, list]] = {}
+    for event in snapshot["device_traces"][device]:
+        action, addr, size = event["action"], event["addr"], event["size"]
+        if action == "alloc":
+            live[addr] = (size, event.get("frames", []))
+            total += size
+        elif action == "free_completed":
+            live.pop(addr, None)  # a block from before the step still counts in `base`
+            total -= size
+        else:
+            continue
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
+    for size, frames in at_peak.values():
+        g = groups[where(frames)]
+        g[0] += 1
+        g[1] += size
+        g[2][size] += 1
+    during = sum(size for size, _ in at_peak.values())
+    lines = [f"peak {peak / 2**30:.2f} GiB: {(peak - during) / 2**30:.2f} GiB from before the step "
+             f"(parameters, optimizer state, anything kept), {during / 2**30:.2f} GiB allocated during it "
+             f"in {len(at_peak)} blocks"]
+    for name, (count, nbytes, sizes) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        common = ", ".join(f"{n}x{s / 2**20:.0f}MiB" for s, n in sizes.most_common(3))
+        lines.append(f"{nbytes / 2**30:6.2f} GiB {count:4d} blocks ({common})  {name}")
+    return lines
