@@ -139,6 +139,11 @@ class Executor:
         would decompose anyway, so the partitioner can recompute cheap parts instead of saving them."""
         return {}
 
+    def joint_passes(self) -> tuple:
+        """Trace passes (`Trace -> Trace`) for the joint graph before the partitioner, run where this executor is
+        listed, before the user's joint passes: rewrites of ops it takes whole into ops it fuses better."""
+        return ()
+
     def __repr__(self) -> str:
         return f"<executor {self.name} ({self.kind})>"
 

@@ -67,6 +67,13 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
     return None if any(n.target is node.target for n in calls) else gm
 
 
+def replace_by_traced(node: fx.Node, fn, *args) -> None:
+    """Replaces `node` by the ATen ops of `fn(*args)` (node arguments read as their fake values), traced by
+    `make_fx`; raises `NotDecomposable` unless they compute the node's metadata."""
+    promised, node.target, node.args, node.kwargs = node_value(node), fn, args, {}
+    _splice_with_values(node.graph, node, decompose_node(node, table={}), _fake_mode_of(promised), {})
+
+
 class NotDecomposable(Exception):
     """`decompose_graph` cannot decompose this graph node by node (the caller re-traces it whole)."""
 

@@ -13,6 +13,7 @@ from ir import node_value
 from . import nvfuser_kernel_store as kernel_store
 from .base import RebuiltFromGraph, RegionDeclined, cuda_library_missing, library_version
 from .graph_utils import computes_nothing, keep_promised_strides, promised_strides
+from .loss_gradient import pointwise_loss_gradient
 from .nvfuser_ops import CLAIMS, NO_NVFUSER_DTYPES, define_fusion as _define
 
 
@@ -37,6 +38,15 @@ class NvFuserExecutor(RebuiltFromGraph):
         tensors = [t for v in values for t in (v if isinstance(v, (tuple, list)) else [v])]
         return all(t.device.type == self.device and t.dtype not in NO_NVFUSER_DTYPES
                    for t in tensors if isinstance(t, torch.Tensor))
+
+    def decompositions_before_partition(self) -> dict:
+        """Log-softmax in its parts, as for Inductor: the partitioner saves the loss's half-precision logits and two
+        [tokens, 1] reductions, not its fp32 log-probabilities (1 GiB at 8192 tokens x 32000)."""
+        from torch._decomp import get_decompositions
+        return get_decompositions([torch.ops.aten._log_softmax.default, torch.ops.aten.detach.default])
+
+    def joint_passes(self) -> tuple:
+        return (pointwise_loss_gradient,)  # its NLL backward: no [tokens, vocab] buffer, no reduction
 
     def cache_token(self) -> str:
         return f"nvfuser {library_version('nvfuser_direct')} device={self.device}"

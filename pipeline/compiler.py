@@ -245,14 +245,15 @@ class PipelineBackend:
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, record, captured, **kwargs):
         """AOTAutograd's partition hook: the joint passes (default `save_policy` too), then the min-cut partitioner."""
-        passes = [p for p in self.state.config.passes if p.runs_on == "joint"]
-        if passes:
+        own = [TracePass(fn, runs_on="joint", name=f"{ex.name}.{fn.__name__}", optional=True)
+               for ex in self.state.config.executors for fn in ex.joint_passes()]
+        if own or any(p.runs_on == "joint" for p in self.state.config.passes):
             trace = Trace(joint, name=f"{record.graph_id}_joint", level="aten", stage=Stage.JOINT,
                           inputs=lowered_input_specs(joint, captured.inputs, Stage.JOINT),
                           outputs=lowered_output_specs(joint, captured.inputs, Stage.JOINT,
                                                        num_forward_outputs=kwargs["num_fwd_outputs"]),
                           provenance=captured.provenance + (Step("lower (joint)"),))
-            trace = self._run_passes("joint", record.add_trace(trace), record)
+            trace = self._run_passes("joint", record.add_trace(trace), record, first=own)
             joint = trace.module
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
@@ -317,8 +318,8 @@ class PipelineBackend:
             fn = cuda_graphs.stage_callable(fn, executed, example_inputs, why_not, stage=stage, record=record)
         return _timing_first_call(fn, record, stage), executed, execution.assignment, why_not
 
-    def _run_passes(self, where: str, trace: Trace, record: GraphRecord) -> Trace:
-        for p in self.state.config.passes:
+    def _run_passes(self, where: str, trace: Trace, record: GraphRecord, first=()) -> Trace:
+        for p in (*first, *self.state.config.passes):
             if p.runs_on == where:
                 out = run_pass(p, trace, record)
                 trace = trace if out is trace else record.add_trace(out)

@@ -1,0 +1,66 @@
+"""The cross-entropy's backward as pointwise ops, for a fusion executor that takes the loss whole (`nvfuser`:
+docs/executors.md). Autograd's NLL backward scatters into a zero [tokens, vocab] buffer whose rows log-softmax's
+backward then sums; the sum is that one entry, so the gradient is `scale * (one_hot - exp(log_probs))` with no
+buffer and no reduction, and its cast back to half precision moves before the shift's `slice_backward`."""
+
+import torch
+
+from ir import Trace, node_value
+from ir.rewrite import Call, Match, rewrite
+from ir.torch_ops import erase_unread
+
+from .decompose import replace_by_traced
+
+aten = torch.ops.aten
+NLL_BACKWARD = Call(aten.nll_loss_backward.default,
+                    ("grad_output", "self", "target", "weight", "reduction", "ignore_index", "total_weight"),
+                    bind="nll", weight=lambda w: w is None)
+GRADIENT = Call(aten._log_softmax_backward_data.default, ("grad_output", "output", "dim", "input_dtype"),
+                grad_output=NLL_BACKWARD, output="log_probs", dim=lambda d: d in (1, -1))
+CAST_OF_PADDED = Call(aten._to_copy.default, ("x", "dtype", "layout", "device", "pin_memory", "non_blocking",
+                                              "memory_format"), x=Call(aten.slice_backward.default, (
+    "grad_output", "input_sizes", "dim", "start", "end", "step"), bind="padded", grad_output="grad"))
+
+
+def pointwise_loss_gradient(trace: Trace) -> Trace:
+    """On the joint graph; `trace` itself when it has neither pattern."""
+    gm = trace.editable()
+    done = rewrite(gm.graph, [(GRADIENT, _pointwise, _one_user_2d), (CAST_OF_PADDED, _cast_first, _only_a_cast)])
+    if not done:
+        return trace
+    erase_unread([m["nll"] for m in done if "nll" in m])
+    gm.graph.lint()
+    gm.recompile()
+    return trace.derive(gm, by="pointwise_loss_gradient")
+
+
+def _one_user_2d(m: Match) -> bool:
+    return len(m["nll"].users) == 1 and m.value("log_probs").dim() == 2 and m["nll"].args[4] in (0, 1, 2)
+
+
+def _pointwise(m: Match) -> None:
+    grad, _, target, _, reduction, ignore_index, total_weight = m["nll"].args
+    replace_by_traced(m.root, _gradient, grad, m["log_probs"], target, total_weight, reduction, ignore_index,
+                      m.root.args[3])
+
+
+def _gradient(grad, log_probs, target, total_weight, reduction, ignore_index, dtype):
+    """NLL's backward then log-softmax's, for weight None: each row's one nonzero entry is `scale`."""
+    scale = -grad / total_weight if reduction == 1 else -grad  # reduction 1: mean; 2: sum; 0: none, per row
+    scale = torch.where(target != ignore_index, scale, torch.zeros_like(scale))
+    one_hot = torch.arange(log_probs.shape[1], device=target.device) == target.unsqueeze(1)
+    return (scale.unsqueeze(1) * (one_hot.to(log_probs.dtype) - log_probs.exp())).to(dtype)
+
+
+def _only_a_cast(m: Match) -> bool:
+    """A cast of dtype only (same device and layout, strides kept) of the pad's one use."""
+    kwargs, grad = m.root.kwargs, m.value("grad")
+    return (not m.root.args[1:] and len(m["padded"].users) == 1 and kwargs.get("dtype") is not None
+            and set(kwargs) <= {"dtype", "layout", "device"} and kwargs.get("layout", torch.strided) == torch.strided
+            and kwargs.get("device", grad.device) == grad.device)
+
+
+def _cast_first(m: Match) -> None:
+    padded, dtype = m["padded"], m.root.kwargs["dtype"]
+    replace_by_traced(m.root, lambda g, *args: aten.slice_backward(g.to(dtype), *args), m["grad"], *padded.args[1:])
+    erase_unread([padded])
