@@ -17,8 +17,4 @@ class ClaimTable(dict):
             self[op] = checker
 
     def claims(self, op, node: fx.Node) -> bool:
-        """Whether `op` is in the table and its checker, if any, accepts `node`."""
-        if op not in self:
-            return False
-        check = self[op]
-        return check is None or bool(check(node))
+        return op in self and (self[op] is None or bool(self[op](node)))

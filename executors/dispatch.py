@@ -41,7 +41,8 @@ def _assign_node(graph, node, executors, fallback, result, depth) -> bool:
         if ex.claims(node):
             node.meta["executor"] = ex.name
             return True
-    name = _op_name(node.target)
+    target = node.target
+    name = str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))
     sub = decompose_node(node) if depth < MAX_DECOMPOSITION_DEPTH else None
     if sub is not None and _all_parts_claimed(sub, executors, depth + 1):
         try:
@@ -72,7 +73,3 @@ def _all_parts_claimed(sub: fx.GraphModule, executors, depth) -> bool:
         if deeper is None or not _all_parts_claimed(deeper, executors, depth + 1):
             return False
     return True
-
-
-def _op_name(target) -> str:
-    return str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))

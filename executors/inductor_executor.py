@@ -28,14 +28,6 @@ from .inductor_kernels import kernels_awaited_later, wait_for_kernels
 _triton_key_started: list = []  # the future of Triton's cache key, computed once per process
 
 
-def _start_triton_key() -> None:
-    """Hashes Triton's sources (`triton_key`, ~0.35 s, cached) in a thread: a warm start's triton.compile waits for it."""
-    if torch.cuda.is_available() and not _triton_key_started:
-        from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key  # here: imports in 2 threads may deadlock
-        if HAS_TRITON:  # a future: an exception stays in it, unraised
-            _triton_key_started.append(ThreadPoolExecutor(1, "triton_key").submit(triton_key))
-
-
 class InductorExecutor(Cacheable, PerModel, PreparesGraph):
     name = "inductor"
     kind = "fusion"
@@ -54,8 +46,11 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         with contextlib.suppress(Exception):  # an optimisation only: without workers, kernels compile in-process
             from torch._inductor.async_compile import maybe_warm_pool
             maybe_warm_pool()
-        with contextlib.suppress(Exception):  # the same
-            _start_triton_key()
+        with contextlib.suppress(Exception):  # the same: Triton's cache key (~0.35 s), which triton.compile waits for
+            if torch.cuda.is_available() and not _triton_key_started:  # here: imports in 2 threads may deadlock
+                from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key
+                if HAS_TRITON:  # hashed in a thread; a future: an exception stays in it, unraised
+                    _triton_key_started.append(ThreadPoolExecutor(1, "triton_key").submit(triton_key))
         return self
 
     def unavailable_reason(self) -> str | None:
@@ -117,8 +112,8 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
                 f"machine={_machine()}")
 
     def artifact_unsupported_reason(self, gm, example_inputs) -> str | None:
-        if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not _is_static(v))
-               for v in example_inputs):
+        if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
+                isinstance(s, int) for s in (*v.shape, *v.stride(), v.storage_offset()))) for v in example_inputs):
             # Inductor may add shape guards while compiling; a stored kernel would not re-add them.
             return "inductor region with symbolic shapes"
         return None
@@ -150,19 +145,13 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         compiled = pickle.loads(stored["graph"])
         constants = CompiledFxGraphConstants()
         with _kernel_dir(own):
-            _register_triton_kernels(compiled)
+            if bundle := getattr(compiled, "_triton_bundle", None):  # launched as bundled, not compiled again
+                from torch._inductor.triton_bundler import TritonBundler
+                TritonBundler.read_and_emit(bundle)
             compiled.after_deserialization(constants)   # imports the wrapper module, loads the kernels
         compiled.post_compile(list(example_inputs), constants,
                               {"cudagraphs": BoxedBool(False), "is_backward": False, "is_inference": False})
         return InductorRegion(compiled, gm)
-
-
-def _register_triton_kernels(compiled) -> None:
-    """The region's Triton kernels as Inductor bundled them (`TritonBundler`), registered so that the
-    wrapper module launches them instead of compiling their source again (docs/cache.md)."""
-    if bundle := getattr(compiled, "_triton_bundle", None):
-        from torch._inductor.triton_bundler import TritonBundler
-        TritonBundler.read_and_emit(bundle)
 
 
 class InductorRegion:
@@ -210,10 +199,6 @@ def _donating(gm: fx.GraphModule, donated: list[int]):
             yield
         finally:
             ctx.fw_metadata = saved
-
-
-def _is_static(t: torch.Tensor) -> bool:
-    return all(isinstance(s, int) for s in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 def _kernel_libraries(compiled) -> set[str]:

@@ -32,7 +32,6 @@ def _op(*overloads, checker: Optional[Checker] = None):
 
 
 def _static_shapes(node: fx.Node) -> bool:
-    """Whether `node`'s result has no symbolic sizes (a checker)."""
     v = node_value(node)
     return all(isinstance(s, int) for s in v.shape) if isinstance(v, torch.Tensor) else True
 
@@ -98,7 +97,6 @@ def _nv(dtype):
 
 
 def _float(fd, x):
-    """x in fp32 when it is a half-type tensor (nvFuser's math runs in fp32)."""
     from nvfuser_direct import DataType
     try:
         half = x.dtype() in (DataType.Half, DataType.BFloat16)
@@ -116,7 +114,6 @@ def _dims(dims, rank):
     return [d % rank if rank else 0 for d in dims]
 
 
-# -- pointwise ---------------------------------------------------------------------------------------
 _UNARY = {aten.abs.default: "abs", aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "log",
           aten.tanh.default: "tanh", aten.sigmoid.default: "sigmoid", aten.rsqrt.default: "rsqrt",
           aten.sqrt.default: "sqrt", aten.erf.default: "erf", aten.cos.default: "cos", aten.sin.default: "sin",
@@ -144,9 +141,8 @@ def _add_or_sub(fd, node, a, b, alpha=1):
     return op(a, b if alpha == 1 else fd.ops.mul(b, alpha))
 
 
-@_op(aten.rsub.Scalar, aten.rsub.Tensor)
-def _rsub(fd, node, a, b, alpha=1):
-    return fd.ops.sub(b, a if alpha == 1 else fd.ops.mul(a, alpha))
+_op(aten.rsub.Scalar, aten.rsub.Tensor)(
+    lambda fd, node, a, b, alpha=1: fd.ops.sub(b, a if alpha == 1 else fd.ops.mul(a, alpha)))
 
 
 # x ** c with the exponents norms and their gradients use, as multiplies or roots: nvFuser emits a
@@ -189,9 +185,7 @@ def _to_copy(fd, node, x, dtype=None, **kwargs):
     return fd.ops.cast(x, _nv(node_value(node).dtype))
 
 
-@_op(aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)
-def _clone(fd, node, x, **kwargs):
-    return fd.ops.set(x)
+_op(aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)(lambda fd, node, x, **kwargs: fd.ops.set(x))
 
 
 @_op(aten.silu_backward.default)
@@ -200,19 +194,10 @@ def _silu_backward(fd, node, grad, x):
     return fd.ops.mul(grad, fd.ops.mul(s, fd.ops.add(1.0, fd.ops.mul(x, fd.ops.sub(1.0, s)))))
 
 
-@_op(aten.sigmoid_backward.default)
-def _sigmoid_backward(fd, node, grad, y):
-    return fd.ops.mul(grad, fd.ops.mul(y, fd.ops.sub(1.0, y)))
-
-
-@_op(aten.tanh_backward.default)
-def _tanh_backward(fd, node, grad, y):
-    return fd.ops.mul(grad, fd.ops.sub(1.0, fd.ops.mul(y, y)))
-
-
-@_op(aten.threshold_backward.default)
-def _threshold_backward(fd, node, grad, x, threshold):
-    return fd.ops.where(fd.ops.le(x, threshold), 0.0, grad)
+_op(aten.sigmoid_backward.default)(lambda fd, node, grad, y: fd.ops.mul(grad, fd.ops.mul(y, fd.ops.sub(1.0, y))))
+_op(aten.tanh_backward.default)(lambda fd, node, grad, y: fd.ops.mul(grad, fd.ops.sub(1.0, fd.ops.mul(y, y))))
+_op(aten.threshold_backward.default)(
+    lambda fd, node, grad, x, threshold: fd.ops.where(fd.ops.le(x, threshold), 0.0, grad))
 
 
 @_op(aten.gelu.default)
@@ -232,10 +217,8 @@ def _gelu_backward(fd, node, grad, x, approximate="none"):
     return fd.ops.mul(grad, fd.ops.add(cdf, fd.ops.mul(x, pdf)))
 
 
-# -- reductions --------------------------------------------------------------------------------------
-@_op(aten.sum.dim_IntList, aten.sum.default)
-def _sum(fd, node, x, dims=None, keepdim=False, dtype=None):
-    return fd.ops.sum(x, _dims(dims, _rank(node)), keepdim)
+_op(aten.sum.dim_IntList, aten.sum.default)(
+    lambda fd, node, x, dims=None, keepdim=False, dtype=None: fd.ops.sum(x, _dims(dims, _rank(node)), keepdim))
 
 
 @_op(aten.mean.default)
@@ -289,20 +272,10 @@ def _log_softmax_backward(fd, node, grad, y, dim, input_dtype):
     return fd.ops.sub(grad, fd.ops.mul(fd.ops.exp(y), fd.ops.sum(grad, dim, True)))
 
 
-# -- views -------------------------------------------------------------------------------------------
-@_op(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-def _reshape(fd, node, x, shape):
-    return fd.ops.reshape(x, list(shape))
-
-
-@_op(aten.permute.default)
-def _permute(fd, node, x, dims):
-    return fd.ops.permute(x, _dims(dims, _rank(node)))
-
-
-@_op(aten.t.default)
-def _t(fd, node, x):
-    return fd.ops.permute(x, [1, 0]) if _rank(node) == 2 else x
+_op(aten.view.default, aten._unsafe_view.default, aten.reshape.default)(
+    lambda fd, node, x, shape: fd.ops.reshape(x, list(shape)))
+_op(aten.permute.default)(lambda fd, node, x, dims: fd.ops.permute(x, _dims(dims, _rank(node))))
+_op(aten.t.default)(lambda fd, node, x: fd.ops.permute(x, [1, 0]) if _rank(node) == 2 else x)
 
 
 @_op(aten.transpose.int)

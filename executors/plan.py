@@ -70,7 +70,6 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
     steps: list[Step] = []
 
     def step(name: str, fn, *args):
-        """One named step of dispatch, timed and recorded in the trace's provenance."""
         start = time.perf_counter()
         out = fn(*args)
         steps.append(Step(f"dispatch: {name}", time.perf_counter() - start))
@@ -89,7 +88,8 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
                              list(executors), autotune)
     regions = step("compile or load regions" + (" (warm start)" if partitioned else ""), builder.build_all,
                    named, first_region_id)
-    _set_region_values(gm)
+    for node in gm.graph.find_nodes(op="call_module"):  # its region's outputs, as its check expects them
+        node.meta["val"] = tuple(gm.get_submodule(node.target).check.expected)
     gm.recompile()
     out = trace
     for s in steps:
@@ -406,8 +406,3 @@ def unbuilt(executed: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(executed.graph, {})).meta = dict(executed.graph.output_node().meta)
     return fx.GraphModule(root, graph)
-
-
-def _set_region_values(gm: fx.GraphModule) -> None:
-    for node in gm.graph.find_nodes(op="call_module"):  # its region's outputs, as its check expects them
-        node.meta["val"] = tuple(gm.get_submodule(node.target).check.expected)

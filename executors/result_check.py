@@ -28,7 +28,6 @@ class ResultCheck:
         return None if self.donated else list(args)
 
     def problem(self, out: Any) -> Optional[str]:
-        """None when `out` is what the region's trace says; otherwise what differs."""
         who = f"{self.region.executor} returned a wrong result for region {self.region.id}"
         if not isinstance(out, (tuple, list)):
             return f"{who}: {type(out).__name__}, not a tuple of {len(self.expected)} outputs"

@@ -37,7 +37,6 @@ def pass_symbol_inputs(gm: fx.GraphModule) -> None:
 
 
 def _add_inputs(region: fx.GraphModule, call: fx.Node, values: list[fx.Node]) -> None:
-    """Appends placeholders for `values` to the region's graph and the values to its call."""
     with region.graph.inserting_before(next(n for n in region.graph.nodes if n.op != "placeholder")):
         for value in values:  # each after the last placeholder, in order
             p = region.graph.placeholder(f"{value.name}_symbol")

@@ -22,7 +22,6 @@ from .claims import ClaimTable
 from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, recipe_formats, te_dtype
 
 
-# -- the custom ops ----------------------------------------------------------------------------------
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8: bool,
               scaling: int, index: int) -> list[torch.Tensor]:
     """[y] in bf16 mode; [y, x scale_inv, W scale_inv] in fp8 mode (the backward casts x and W again with these
@@ -142,7 +141,6 @@ STACKED = Call(torch.cat, ("tensors", "dim"), tensors="ws")  # the weights of gr
 TRANSPOSED = Call("contiguous", ("input",), input=Call(torch.t, ("input",), input="w"))  # of x @ W
 
 
-# -- the executor ------------------------------------------------------------------------------------
 _CLAIMS = ClaimTable()
 _CLAIMS.register(torch.ops.pipeline_te.linear.default, torch.ops.pipeline_te.linear_backward.default)
 
@@ -188,7 +186,6 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
                 f"group_linears={self.group_linears}")
 
     def for_model(self) -> "TEExecutor":
-        """Delayed scaling keeps state per jitted model: each model gets its own copy."""
         if self.recipe is None:
             return self
         copy = TEExecutor(fp8=True, recipe=self.recipe, group_linears=self.grouping)
@@ -258,8 +255,6 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return fx.GraphModule(gm, graph).forward
 
     def passes_before_prepare(self) -> tuple[str, ...]:
-        """With `group_linears`, the pipeline groups the linears (`transforms.group_linears`) before
-        `prepare` swaps them, so each group becomes one TE GEMM."""
         return ("group_linears",) if self.group_linears else ()
 
     def prepare(self, trace: Trace) -> tuple[Trace, list[tuple[str, str]]]:
@@ -334,7 +329,6 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
             graph.erase_node(unused)
 
     def _takes(self, linear: fx.Node, op: str, notes: list) -> bool:
-        """Whether TE takes `linear`; if not, the reason goes to `notes`, under `op`."""
         if reason := self._reject(linear):
             notes.append((op, f"te: {reason}; it runs as an ordinary {op}"))
         return not reason
@@ -369,7 +363,6 @@ def _one_op(op: fx.Node, placeholders: list[fx.Node], picked: list[int]):
 
 
 def _by_weight(m: Match, specs: dict) -> bool:
-    """Whether the matmul `m` is `x @ W` with W a 2-D parameter (x at least 2-D)."""
     xv, wv = m.value("x"), m.value("w")
     return (getattr(specs.get(m["w"]), "kind", None) == "parameter" and isinstance(wv, torch.Tensor)
             and wv.dim() == 2 and isinstance(xv, torch.Tensor) and xv.dim() >= 2)

@@ -18,19 +18,15 @@ class TorchExecutor(RebuiltFromGraph):
         return True
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
-        return _with_promised_strides(gm)
+        """`gm.forward`; where an op's fake strides are known to be unreliable, its region's outputs are
+        copied into the strides the trace promised (other executors compiled against those)."""
+        if not any(meta_strides_unreliable(n) for n in gm.graph.nodes):
+            return gm.forward
+        promised = promised_strides(gm)
 
-
-def _with_promised_strides(gm: fx.GraphModule):
-    """`gm.forward`; where an op's fake strides are known to be unreliable, its region's outputs are
-    copied into the strides the trace promised (other executors compiled against those)."""
-    if not any(meta_strides_unreliable(n) for n in gm.graph.nodes):
-        return gm.forward
-    promised = promised_strides(gm)
-
-    def run(*args):
-        return tuple(keep_promised_strides(list(gm(*args)), promised))
-    return run
+        def run(*args):
+            return tuple(keep_promised_strides(list(gm(*args)), promised))
+        return run
 
 
 torch_executor = TorchExecutor()

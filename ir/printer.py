@@ -27,7 +27,7 @@ def python_source(trace: Trace) -> str:
     lines = [f"# Trace {trace.name!r} · level {trace.level} · made by: "
              + (" → ".join(s.name for s in trace.provenance) or "-")]
     params = []
-    for node, spec in zip(trace.placeholders(), _padded(trace.inputs, len(trace.placeholders()))):
+    for node, spec in zip(trace.placeholders(), [*trace.inputs, *[None] * len(trace.placeholders())]):
         name = names.bind(node, _readable_name(spec))
         params.append(name)
         what = "(no input spec)" if spec is None else spec.kind + (f" {spec.qualname!r}" if spec.qualname else "")
@@ -57,13 +57,11 @@ def python_globals(trace: Trace) -> dict[str, Any]:
 
 
 def python_callable(trace: Trace) -> Callable:
-    """Executes the printed text and returns the function it defines."""
     namespace = python_globals(trace)
     exec(compile(python_source(trace), f"<trace {trace.name}>", "exec"), namespace)
     return namespace[_identifier(trace.name)]
 
 
-# -- formatting ------------------------------------------------------------------------------------
 class _Names:
     """Maps nodes to the Python identifiers they get in the printed text."""
 
@@ -104,10 +102,6 @@ def _tags(node: fx.Node) -> str:
     if node.meta.get("donated"):
         tags.append("donated")
     return f"  [{', '.join(tags)}]" if tags else ""
-
-
-def _padded(specs, n):
-    return list(specs) + [None] * (n - len(specs)) if len(specs) < n else list(specs)[:n]
 
 
 def _identifier(name: str) -> str:

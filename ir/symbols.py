@@ -58,7 +58,8 @@ def unbound_symbols(gm: fx.GraphModule) -> list[UnboundSymbol]:
         exprs = list(_exprs(node_value(node)))
         bound |= _introduced(node, exprs)
         need(exprs, node, "the value of node")
-        need(_literals((node.args, node.kwargs)), node, "a symbolic constant (not a graph value) in the arguments of node")
+        literals = [a.node.expr for a in tree_leaves((node.args, node.kwargs)) if isinstance(a, _SYMBOLIC)]
+        need(literals, node, "a symbolic constant (not a graph value) in the arguments of node")
     return list(missing.values())
 
 
@@ -107,12 +108,9 @@ def _introduced(node: fx.Node, exprs: list) -> set:
     found = set(node.meta.get("unbacked_bindings") or ())
     if found or node.op != "call_function":
         return found
-    return {s for expr in exprs for s in expr.free_symbols if _is_unbacked(s)}  # graphs without `unbacked_bindings`
-
-
-def _literals(args) -> list:
-    """The expressions of SymInts written into `args` as constants (a graph value would be a Node)."""
-    return [a.node.expr for a in tree_leaves(args) if isinstance(a, _SYMBOLIC)]
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+    unbacked = (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)  # for graphs without `unbacked_bindings`
+    return {s for expr in exprs for s in expr.free_symbols if symbol_is_type(s, unbacked)}
 
 
 def _static(placeholders) -> bool:
@@ -127,11 +125,6 @@ def _static(placeholders) -> bool:
         return False
     env = mode.shape_env
     return env is None or (isinstance(getattr(env, "var_to_range", None), dict) and not env.var_to_range)
-
-
-def _is_unbacked(symbol) -> bool:
-    from torch.utils._sympy.symbol import SymT, symbol_is_type
-    return symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
 
 
 def _op(node: fx.Node) -> str:

@@ -44,7 +44,6 @@ class Stage(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
-    """What a graph input is (`InputKind`)."""
     kind: InputKind
     name: str                       # placeholder name in the graph
     qualname: Optional[str] = None  # "layers.0.attn.wq.weight" for parameters and buffers
@@ -88,7 +87,6 @@ class Trace:
         self.stage = None if stage is None else Stage(stage)
         self.inputs, self.outputs, self.provenance = tuple(inputs), tuple(outputs), tuple(provenance)
 
-    # -- reading -------------------------------------------------------------------------------
     @property
     def graph(self) -> fx.Graph:
         """The graph, for reading. Use `editable()` to change a copy."""
@@ -110,7 +108,6 @@ class Trace:
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     def ops(self) -> list[fx.Node]:
-        """The nodes that compute something (not placeholders, outputs or constants)."""
         return [n for n in self.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
 
     def fingerprint(self) -> str:
@@ -118,7 +115,6 @@ class Trace:
         from .printer import python_source
         return hashlib.sha256(python_source(self).encode()).hexdigest()[:16]
 
-    # -- deriving ------------------------------------------------------------------------------
     def editable(self) -> fx.GraphModule:
         """A private copy of the graph module that a pass may change freely: nodes copied with their
         metadata (fake tensors shared, never mutated), constants and submodules shared. Its Python
@@ -137,9 +133,7 @@ class Trace:
                      outputs=self.outputs if outputs is None else outputs,
                      provenance=self.provenance + (Step(by, seconds),))
 
-    # -- running and printing ------------------------------------------------------------------
     def __call__(self, *args):
-        """Runs the trace with the reference interpreter."""
         from .interpret import interpret
         return interpret(self, *args)
 

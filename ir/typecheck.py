@@ -136,7 +136,11 @@ def _derivable(node: fx.Node, claimed) -> bool:
         return False
     if (op == "call_method" and str(target).endswith("_")) or (op == "call_function" and isinstance(target, str)):
         return False
-    return not _has_unbacked(claimed)
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    try:
+        return not free_unbacked_symbols(claimed)
+    except Exception:
+        return True
 
 
 class _CannotRun(Exception):
@@ -219,14 +223,6 @@ def _same_strides(claimed: torch.Tensor, derived: torch.Tensor) -> bool:
     """Strides agree in every dim of more than one element (a size-1 dim's stride is arbitrary)."""
     return all((isinstance(size, int) and size <= 1) or _same_size(c, d)
                for size, c, d in zip(claimed.shape, claimed.stride(), derived.stride()))
-
-
-def _has_unbacked(value) -> bool:
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-    try:
-        return bool(free_unbacked_symbols(value))
-    except Exception:
-        return False
 
 
 def _context(node: fx.Node, around: int = 3) -> str:

@@ -217,7 +217,6 @@ def read_entry(key: str) -> Optional[dict]:
 
 
 def write_entry(key: str, entry: dict, root: Optional[str] = None) -> None:
-    """Writes `entry` sealed with this user's key under `root` (default: `cache_root()`), atomically (`write_file`)."""
     root = root or cache_root()
     secret, path = trusted_key(root), entry_path(key, root)
     cache_files.private_dir(os.path.dirname(path))

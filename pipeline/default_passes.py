@@ -39,7 +39,6 @@ class Without:
 
 
 def without(*names: str) -> Without:
-    """Leaves out the default passes named (see `default_passes()`)."""
     known = {p.name for p in default_passes()}
     unknown = [n for n in names if n not in known]
     if unknown or not names:
@@ -49,5 +48,4 @@ def without(*names: str) -> Without:
 
 
 def with_defaults(passes: list[TracePass], removed: set[str]) -> list[TracePass]:
-    """The user's passes, then the default passes not removed."""
     return list(passes) + [p for p in default_passes() if p.name not in removed]

@@ -16,7 +16,6 @@ class PipelineFallbackError(RuntimeError):
 
 
 def report_fallback(state, message: str, cause: BaseException | None = None) -> None:
-    """Counts, logs and warns about one fallback (or raises, under `fallback="raise"`)."""
     state.history.fallbacks.append(message)
     log.info("fallback: %s", message)
     if state.config.fallback == "raise":

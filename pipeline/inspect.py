@@ -42,7 +42,6 @@ class RegionTable(list):
         return sum(r.fp8_gemm_flops for r in self) / total if total else None
 
     def by_executor(self) -> dict[str, int]:
-        """Number of ops each executor ran."""
         counts: dict[str, int] = defaultdict(int)
         for r in self:
             counts[r.executor] += r.op_count
@@ -177,7 +176,6 @@ def explain(fn_or_module: Callable, *args, **kwargs) -> Explanation:
 
 
 def format_table(rows: list[tuple[str, ...]]) -> list[str]:
-    """Left-aligned columns with a rule under the header row."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -273,7 +273,6 @@ def _raw_break_counts(counters) -> dict[str, dict[str, int]]:
 
 
 def _break_counts(raw: dict[str, dict[str, int]]) -> dict[str, int]:
-    """Graph breaks counted so far, by the first line of their reason."""
     out: dict[str, int] = {}
     for per_reason in raw.values():
         for reason, count in per_reason.items():
@@ -369,8 +368,6 @@ class JittedModule(torch.nn.Module):
 
 
 class JittedFunction:
-    """A compiled function."""
-
     def __init__(self, fn: Callable, runner, state: CompileState):
         functools.update_wrapper(self, fn)
         self._original, self._runner, self._state = fn, runner, state

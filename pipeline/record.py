@@ -44,12 +44,8 @@ def dump(trace: Trace, index: int) -> str:
     folder = os.path.join(root, str(os.getpid()))
     os.makedirs(folder, exist_ok=True)
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", trace.name)
-    path = os.path.join(folder, f"{safe}.{index:02d}.{_slug(trace)}.py")
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", trace.provenance[-1].name if trace.provenance else "trace").strip("_")
+    path = os.path.join(folder, f"{safe}.{index:02d}.{slug}.py")
     with open(path, "w") as f:
         f.write(python_source(trace))
     return path
-
-
-def _slug(trace: Trace) -> str:
-    last = trace.provenance[-1].name if trace.provenance else "trace"
-    return re.sub(r"[^A-Za-z0-9]+", "_", last).strip("_")

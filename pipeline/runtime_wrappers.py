@@ -75,7 +75,6 @@ class BoxedStage(RuntimeWrapper):
 
 
 def graph_wrappers(state) -> list[RuntimeWrapper]:
-    """The chain around one captured graph's compiled code."""
     return [ModelTransformInputs(state.config.replaced)] if state.config.replaced else []
 
 

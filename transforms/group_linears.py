@@ -23,7 +23,6 @@ VIEW = Call("view", ("input", "*shape"), shape="shape")
 
 @pass_factory
 def group_linears() -> TracePass:
-    """The pass (before autodiff). See the module docstring."""
     return TracePass(group_linears_in, runs_on="before_autodiff", name="group_linears")
 
 

@@ -43,7 +43,6 @@ ATTENTION_ON_REPEATS = Call(
 
 @pass_factory
 def grouped_kv_attention(devices: Sequence[str] = ("cuda",)) -> TracePass:
-    """The pass (before autodiff). See the module docstring."""
     return TracePass(lambda trace: grouped_kv_attention_in(trace, devices), runs_on="before_autodiff",
                      name="grouped_kv_attention")
 

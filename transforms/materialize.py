@@ -23,10 +23,12 @@ class Materialize:
     def prepare_module(self, model: torch.nn.Module, skip: frozenset = frozenset()) -> None:
         """Gives every meta tensor of `model` storage and values; `skip`: state-dict keys already
         loaded (by model transforms that read their own slices)."""
-        on_meta = [(name, m) for name, m in model.named_modules() if _has_meta_state(m)]
+        on_meta = [(name, m) for name, m in model.named_modules()
+                   if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
         # Without a checkpoint every module initialises itself; with one, those whose state the file
         # cannot hold (non-persistent buffers, such as rotary tables) still must.
-        needs_init = [(name, m) for name, m in on_meta if self.checkpoint is None or _non_persistent_buffers(m)]
+        needs_init = [(name, m) for name, m in on_meta
+                      if self.checkpoint is None or getattr(m, "_non_persistent_buffers_set", ())]
         missing = [name or type(m).__name__ for name, m in needs_init
                    if not callable(getattr(m, "reset_parameters", None))]
         if missing:
@@ -104,14 +106,6 @@ def _to_empty_meta_only(module: torch.nn.Module, device) -> None:
     for name, buf in list(module.named_buffers(recurse=False)):
         if buf.is_meta:
             module._buffers[name] = torch.empty_like(buf, device=device)
-
-
-def _non_persistent_buffers(module: torch.nn.Module) -> bool:
-    return bool(getattr(module, "_non_persistent_buffers_set", ()))
-
-
-def _has_meta_state(module: torch.nn.Module) -> bool:
-    return any(t.is_meta for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
 
 
 def materialize(checkpoint: Optional[str] = None, device="cpu") -> Materialize:
