@@ -18,7 +18,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Tags the fp32 values derived from upcast half-precision ones for recomputation; returns how
     many were tagged. Derived: its full-size inputs all derive from one upcast (others may be scalars
-    or smaller, broadcast: `x - amax`). Left alone: the forward's outputs, values already tagged,
+    or smaller, broadcast: `x - amax`), or it is a view or copy of one that does. Left alone: the forward's outputs, values already tagged,
     random ops, and graphs with `torch.utils.checkpoint` regions (the user's choice)."""
     forward = output_ancestors(joint, num_fwd_outputs)
     root: dict[fx.Node, fx.Node] = {}  # derived node -> the upcast it is a full-size function of
@@ -87,8 +87,8 @@ def _single_root(node: fx.Node, value: torch.Tensor, root: dict) -> fx.Node | No
         v = node_value(a)
         if not isinstance(v, torch.Tensor):
             continue
-        if a in root:
-            if not statically_known_true(v.numel() == value.numel()):
+        if a in root:  # a view or copy of a derived value is derived, at any size (the loss's shifted logits)
+            if not (_layout(node.target) or statically_known_true(v.numel() == value.numel())):
                 return None
             roots.add(root[a])
         elif not statically_known_true(v.numel() < value.numel()):
