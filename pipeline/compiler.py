@@ -143,6 +143,8 @@ class PipelineBackend:
             trace, may_load = self._prepare(trace, cache, record)
             warm = may_load and not bound and self._warm_start(cache, example_inputs, metadata, record)
         if warm:
+            if bound:  # no "prepared" trace: the stored stages already hold what it made
+                record.cache_notes.append("prepare not run: the executors bound again what the entry's prepare bound")
             return post_compile_all(wrappers, warm)
         trace = self._run_passes("before_autodiff", trace, record)
         recording = self._records_warm_start(cache, trace, example_inputs, record)

@@ -282,6 +282,7 @@ def test_a_warm_start_binds_what_te_prepare_bound_without_preparing_again(te_on_
     warm, out1, grads1 = compile_and_step(model, x, executors=[te_on_cpu, "torch"])
     stats = pipeline.compile_stats(warm)
     assert stats.cache == {"g0": "hit"} and "lower" not in stats.seconds and not prepared, notes(warm)
+    assert any(note.startswith("prepare not run") for _, note in stats.cache_notes), notes(warm)
     assert "te" in {r.executor for r in pipeline.regions(warm)}
     assert [(r.stage, r.executor, r.ops) for r in pipeline.regions(warm)] == \
         [(r.stage, r.executor, r.ops) for r in pipeline.regions(cold)]
@@ -290,6 +291,7 @@ def test_a_warm_start_binds_what_te_prepare_bound_without_preparing_again(te_on_
     monkeypatch.setattr(TEExecutor, "bind_again", lambda self, binding: False)
     again, out2, _ = compile_and_step(model, x, executors=[te_on_cpu, "torch"])
     assert pipeline.compile_stats(again).cache == {"g0": "hit"} and prepared, notes(again)
+    assert not any(note.startswith("prepare not run") for _, note in pipeline.compile_stats(again).cache_notes)
     assert torch.equal(out0, out2)
 
 
