@@ -69,9 +69,12 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
 
 def replace_by_traced(node: fx.Node, fn, *args) -> None:
     """Replaces `node` by the ATen ops of `fn(*args)` (node arguments read as their fake values), traced by
-    `make_fx`; raises `NotDecomposable` unless they compute the node's metadata."""
+    `make_fx`; raises `NotDecomposable` unless they compute the node's metadata. It retargets `node` first: call it
+    on an editable copy (a pass's `trace.editable()`), which a failure leaves half-done."""
     promised, node.target, node.args, node.kwargs = node_value(node), fn, args, {}
-    _splice_with_values(node.graph, node, decompose_node(node, table={}), _fake_mode_of(promised), {})
+    if (sub := decompose_node(node, table={})) is None:
+        raise NotDecomposable(f"{getattr(fn, '__name__', fn)} traced to nothing but itself")
+    _splice_with_values(node.graph, node, sub, _fake_mode_of(promised), {})
 
 
 class NotDecomposable(Exception):

@@ -25,7 +25,7 @@ CAST_OF_PADDED = Call(aten._to_copy.default, ("x", "dtype", "layout", "device", 
 def pointwise_loss_gradient(trace: Trace) -> Trace:
     """On the joint graph; `trace` itself when it has neither pattern."""
     gm = trace.editable()
-    done = rewrite(gm.graph, [(GRADIENT, _pointwise, _one_user_2d), (CAST_OF_PADDED, _cast_first, _only_a_cast)])
+    done = rewrite(gm.graph, [(GRADIENT, _pointwise, _plain_nll_on_rows), (CAST_OF_PADDED, _cast_first, _only_a_cast)])
     if not done:
         return trace
     erase_unread([m["nll"] for m in done if "nll" in m])
@@ -34,7 +34,8 @@ def pointwise_loss_gradient(trace: Trace) -> Trace:
     return trace.derive(gm, by="pointwise_loss_gradient")
 
 
-def _one_user_2d(m: Match) -> bool:
+def _plain_nll_on_rows(m: Match) -> bool:
+    """NLL over [tokens, classes] with a known reduction, its gradient read by log-softmax's backward alone."""
     return len(m["nll"].users) == 1 and m.value("log_probs").dim() == 2 and m["nll"].args[4] in (0, 1, 2)
 
 
@@ -53,7 +54,7 @@ def _gradient(grad, log_probs, target, total_weight, reduction, ignore_index, dt
 
 
 def _only_a_cast(m: Match) -> bool:
-    """A cast of dtype only (same device and layout, strides kept) of the pad's one use."""
+    """A cast of dtype only (no device, layout or memory format given) of the pad's one use."""
     kwargs, grad = m.root.kwargs, m.value("grad")
     return (not m.root.args[1:] and len(m["padded"].users) == 1 and kwargs.get("dtype") is not None
             and set(kwargs) <= {"dtype", "layout", "device"} and kwargs.get("layout", torch.strided) == torch.strided

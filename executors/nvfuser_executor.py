@@ -41,8 +41,8 @@ class NvFuserExecutor(RebuiltFromGraph):
 
     def decompositions_before_partition(self) -> dict:
         """Log-softmax in its parts, as for Inductor: the partitioner saves the loss's half-precision logits and two
-        [tokens, 1] reductions, not its fp32 log-probabilities (1 GiB at 8192 tokens x 32000). Not `detach` as
-        Inductor does: made an `alias`, it would be a copy in a fusion's outputs (nvFuser's `set`)."""
+        [tokens, 1] reductions, not its fp32 log-probabilities (1 GiB at 8192 tokens x 32000). `detach` stays whole
+        (Inductor decomposes it to `alias`, which nvFuser would write as a copy of a saved tensor)."""
         from torch._decomp import get_decompositions
         return get_decompositions([torch.ops.aten._log_softmax.default])
 

@@ -1,6 +1,7 @@
 """What the forward saves for the backward (why, with the numbers: docs/passes.md, `save_policy`):
-`recompute_upcasts` has a full-size fp32 function of one upcast half-precision value recomputed, so the
-partitioner saves the half-precision value instead; `recompute_fp8_casts` does the same for fp8 casts."""
+`recompute_upcasts` has a full-size fp32 function (or most of a view) of one upcast half-precision value
+recomputed, so the partitioner saves the half-precision value instead; `recompute_fp8_casts` does the same
+for fp8 casts."""
 
 import torch
 import torch.fx as fx
@@ -18,8 +19,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Tags the fp32 values derived from upcast half-precision ones for recomputation; returns how
     many were tagged. Derived: its full-size inputs all derive from one upcast (others may be scalars
-    or smaller, broadcast: `x - amax`), or it is a view or copy of one that does. Left alone: the forward's outputs, values already tagged,
-    random ops, and graphs with `torch.utils.checkpoint` regions (the user's choice)."""
+    or smaller, broadcast: `x - amax`), or it is a view or copy of at least half of one that does (the
+    shifted logits `x[:, :-1]`). Left alone: the forward's outputs, values already tagged, random ops,
+    and graphs with `torch.utils.checkpoint` regions (the user's choice)."""
     forward = output_ancestors(joint, num_fwd_outputs)
     root: dict[fx.Node, fx.Node] = {}  # derived node -> the upcast it is a full-size function of
     for node in joint.graph.nodes:
@@ -79,16 +81,17 @@ def _tag(joint: fx.GraphModule, num_fwd_outputs: int, nodes) -> int:
 
 
 def _single_root(node: fx.Node, value: torch.Tensor, root: dict) -> fx.Node | None:
-    """The upcast every full-size tensor input of `node` derives from, or None (none does, two do,
-    an input as large as the output is not derived, or sizes are not known to compare)."""
+    """The upcast every full-size tensor input of `node` derives from (a view's or copy's input: at most twice its
+    size), or None (none does, two do, an input as large as the output is not derived, or sizes are not known)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
     roots = set()
     for a in node.all_input_nodes:
         v = node_value(a)
         if not isinstance(v, torch.Tensor):
             continue
-        if a in root:  # a view or copy of a derived value is derived, at any size (the loss's shifted logits)
-            if not (_layout(node.target) or statically_known_true(v.numel() == value.numel())):
+        if a in root:  # a smaller view would make the partitioner save the whole half-precision tensor instead
+            if not statically_known_true(v.numel() == value.numel() if not _layout(node.target)
+                                         else 2 * value.numel() >= v.numel()):
                 return None
             roots.add(root[a])
         elif not statically_known_true(v.numel() < value.numel()):

@@ -73,6 +73,29 @@ def test_llama_loss_saves_bf16_logits_and_pads_in_bf16(nvfuser_claims_on_cpu):
     assert not [f for f in pipeline.compile_stats(cm).fallbacks if "pointwise_loss_gradient" in str(f)]
 
 
+class LastToken(torch.nn.Module):
+    """Classification from the last position: its loss reads a small slice of the upcast logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, h, target):
+        return F.cross_entropy(self.head(h).float()[:, -1], target)
+
+
+def test_a_small_slice_of_the_upcast_logits_is_saved_not_all_the_bf16_logits(nvfuser_claims_on_cpu):
+    torch.manual_seed(0)
+    model = LastToken().bfloat16()
+    h, target = torch.randn(4, 64, 16, dtype=torch.bfloat16), torch.randint(0, VOCAB, (4,))
+    cm = pipeline.jit(model, executors=[nvfuser_claims_on_cpu])
+    assert_step_matches_eager(model, cm, h, target, rtol=2e-2, atol=1e-3)
+    forward = _stage(cm, "_forward")
+    saved = [o.meta["val"] for o in forward.output_node().args[0][1:] if isinstance(o.meta.get("val"), torch.Tensor)]
+    logits_sized = [t for t in saved if t.dim() >= 2 and t.shape[-1] == VOCAB]
+    assert logits_sized and all(t.numel() <= 4 * VOCAB for t in logits_sized), [(t.dtype, t.shape) for t in saved]
+
+
 def test_with_only_torch_the_backward_keeps_eagers_ops():
     torch.manual_seed(0)
     model = Loss("mean")
