@@ -1,7 +1,6 @@
 """What the forward saves for the backward (why, with the numbers: docs/passes.md, `save_policy`):
-`recompute_upcasts` has a full-size fp32 function (or most of a view) of one upcast half-precision value
-recomputed, so the partitioner saves the half-precision value instead; `recompute_fp8_casts` does the same
-for fp8 casts."""
+`recompute_upcasts` has a full-size fp32 function of one upcast half-precision value recomputed, so the
+partitioner saves the half-precision value instead; `recompute_fp8_casts` does the same for fp8 casts."""
 
 import torch
 import torch.fx as fx
