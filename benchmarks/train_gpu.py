@@ -377,13 +377,12 @@ def run_row(name, how, config, batches, args):
             opt.zero_grad(set_to_none=True)  # else the profiled step below adds into these gradients
     if args.host_profile:
         extra.update(host_profile(step_fn, opt, batches[0]))
+    replayed = how not in (None, "compile") and "on" in pipeline.compile_stats(step_fn).cuda_graphs.values()
     if args.saved_tensors:
-        replayed = how not in (None, "compile") and "on" in pipeline.compile_stats(step_fn).cuda_graphs.values()
         extra["saved_for_backward"] = (["not measurable: the stages replay as CUDA graphs"] if replayed
                                        else saved_for_backward(step_fn, batches[0], model.parameters()))
         opt.zero_grad(set_to_none=True)
     if args.peak_memory:
-        replayed = how not in (None, "compile") and "on" in pipeline.compile_stats(step_fn).cuda_graphs.values()
         if replayed or DEVICE != "cuda":
             extra["peak_memory"] = ["not measurable: the stages replay as CUDA graphs, or no GPU"]
         else:

@@ -5,7 +5,7 @@ buffer and no reduction, and its cast back to half precision moves before the sh
 
 import torch
 
-from ir import Trace, node_value
+from ir import Trace
 from ir.rewrite import Call, Match, rewrite
 from ir.torch_ops import erase_unread
 
@@ -14,9 +14,10 @@ from .decompose import replace_by_traced
 aten = torch.ops.aten
 NLL_BACKWARD = Call(aten.nll_loss_backward.default,
                     ("grad_output", "self", "target", "weight", "reduction", "ignore_index", "total_weight"),
-                    bind="nll", weight=lambda w: w is None)
+                    bind="nll", grad_output="grad", target="target", weight=lambda w: w is None,
+                    reduction="reduction", ignore_index="ignore_index", total_weight="total_weight")
 GRADIENT = Call(aten._log_softmax_backward_data.default, ("grad_output", "output", "dim", "input_dtype"),
-                grad_output=NLL_BACKWARD, output="log_probs", dim=lambda d: d in (1, -1))
+                grad_output=NLL_BACKWARD, output="log_probs", dim=lambda d: d in (1, -1), input_dtype="dtype")
 CAST_OF_PADDED = Call(aten._to_copy.default, ("x", "dtype", "layout", "device", "pin_memory", "non_blocking",
                                               "memory_format"), x=Call(aten.slice_backward.default, (
     "grad_output", "input_sizes", "dim", "start", "end", "step"), bind="padded", grad_output="grad"))
@@ -36,13 +37,12 @@ def pointwise_loss_gradient(trace: Trace) -> Trace:
 
 def _plain_nll_on_rows(m: Match) -> bool:
     """NLL over [tokens, classes] with a known reduction, its gradient read by log-softmax's backward alone."""
-    return len(m["nll"].users) == 1 and m.value("log_probs").dim() == 2 and m["nll"].args[4] in (0, 1, 2)
+    return len(m["nll"].users) == 1 and m.value("log_probs").dim() == 2 and m["reduction"] in (0, 1, 2)
 
 
 def _pointwise(m: Match) -> None:
-    grad, _, target, _, reduction, ignore_index, total_weight = m["nll"].args
-    replace_by_traced(m.root, _gradient, grad, m["log_probs"], target, total_weight, reduction, ignore_index,
-                      m.root.args[3])
+    replace_by_traced(m.root, _gradient, *(m[k] for k in ("grad", "log_probs", "target", "total_weight", "reduction",
+                                                          "ignore_index", "dtype")))
 
 
 def _gradient(grad, log_probs, target, total_weight, reduction, ignore_index, dtype):
