@@ -65,8 +65,8 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
     def claims_op(self, op, node: fx.Node) -> bool:
         if is_symbolic_glue(op):
             return True
-        if meta_strides_unreliable(node):  # Inductor would assert the promised strides and fail
-            return False
+        if meta_strides_unreliable(node) or op is torch.ops.higher_order.with_effects:
+            return False  # Inductor would assert the promised strides and fail; it returns None for an effect token
         return op in _lowerings() or op in _decompositions(self.fallback_random)
 
     def library_ops(self) -> set:
