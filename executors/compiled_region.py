@@ -59,8 +59,7 @@ class CompiledRegion(torch.nn.Module):
     def call_boxed(self, args: list):
         """Runs the region on an argument list that it empties. When the executor's callable has a boxed entry
         (`fn.boxed(list)`, as Inductor's has), nothing else holds the inputs, so each is freed after its last use."""
-        run = getattr(self.fn, "boxed", None)
-        if run is None:
+        if (run := getattr(self.fn, "boxed", None)) is None:
             held = tuple(args)
             args.clear()
             return CompiledRegion.forward(self, *held)

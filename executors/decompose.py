@@ -87,8 +87,7 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
     again at each splice (and its views), so fake values alias as the values do (Inductor's passes read
     that). Raises `NotDecomposable` on symbolic shapes or a decomposition changing the op's metadata."""
     graph = copy.deepcopy(gm.graph)
-    fake_mode = _fake_mode_of([node_value(n) for n in graph.nodes if n.op == "placeholder"])
-    if fake_mode is None:
+    if (fake_mode := _fake_mode_of([node_value(n) for n in graph.nodes if n.op == "placeholder"])) is None:
         raise NotDecomposable("the graph's inputs carry no fake values")
     higher_order = [n.name for n in graph.nodes if n.op == "call_function"
                     and isinstance(n.target, torch._ops.HigherOrderOperator)]
@@ -157,8 +156,7 @@ def _retarget(node: fx.Node, sub: fx.GraphModule) -> bool:
         return False
     value_map = _placeholders_to_inputs(node, sub)
     node.target = calls[0].target
-    node.args = fx.map_arg(calls[0].args, value_map.__getitem__)
-    node.kwargs = fx.map_arg(calls[0].kwargs, value_map.__getitem__)
+    node.args, node.kwargs = fx.map_arg((calls[0].args, calls[0].kwargs), value_map.__getitem__)
     return True
 
 

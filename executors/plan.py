@@ -262,8 +262,7 @@ def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, reg
 
 
 def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, notes) -> None:
-    reason = ex.artifact_unsupported_reason(source, _example_inputs(source))
-    if reason is None:
+    if (reason := ex.artifact_unsupported_reason(source, _example_inputs(source))) is None:
         try:
             artifacts[key] = RegionArtifact(ex.name, ex.save_region(fn), region.fallback_reason,
                                             structure_key(source), region.race)
@@ -303,8 +302,7 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback, fin
     (raised an error, as opposed to declining). `finish=False`: the caller calls `finish_region`."""
     check_symbols_bound(source, f"region {region.id} ({region.stage}, for {first.name})")  # else a NameError when run
     example_inputs = _example_inputs(source)
-    candidates = [first] + [e for e in order[order.index(first) + 1:]
-                            if e is not first and _claims_all(e, source)]
+    candidates = [first] + [e for e in order[order.index(first) + 1:] if e is not first and _claims_all(e, source)]
     if all(c.name != fallback.name for c in candidates):
         candidates.append(fallback)
     reasons, failed = [], False
@@ -358,8 +356,7 @@ def _example_inputs(source: fx.GraphModule) -> list:
 
 
 def _claims_all(ex: Executor, gm: fx.GraphModule) -> bool:
-    return all(ex.claims(n) for n in gm.graph.nodes
-               if n.op == "call_function" and n.target is not operator.getitem)
+    return all(ex.claims(n) for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
 
 
 def _describe(source: fx.GraphModule, stage: str, ex_name: str, graph_id: str, order: Sequence[Executor]) -> Region:

@@ -84,9 +84,8 @@ class DelayedScalingState:
 
     def __init__(self, recipe):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
-            raise NotImplementedError("te.fp8(DelayedScaling): custom amax_compute_algo / "
-                                      "scaling_factor_compute_algo callables are not supported; use "
-                                      "amax_compute_algo='max' or 'most_recent'")
+            raise NotImplementedError("te.fp8(DelayedScaling): custom amax_compute_algo / scaling_factor_compute_algo "
+                                      "callables are not supported; use amax_compute_algo='max' or 'most_recent'")
         self.recipe = recipe
         fwd, bwd = recipe_formats(recipe)
         self.forward, self.backward = _Stack(2, fwd, False), _Stack(1, bwd, True)  # columns: [x, W] / [dy] per linear
@@ -175,10 +174,9 @@ class DelayedScalingState:
             return dict(self.pending)
         if self.pending and not self.warned:
             self.warned = True
-            warnings.warn(f"te fp8: loaded scaling state for {sorted(self.pending)} matched no linear that ran "
-                          f"(kept, and saved again). Grouped linears (te's default) keep one state under "
-                          f"the group's first member: load a checkpoint with the te.options(group_linears=...) "
-                          f"it was saved with")
+            warnings.warn(f"te fp8: loaded scaling state for {sorted(self.pending)} matched no linear that ran (kept, "
+                          f"and saved again). Grouped linears (te's default) keep one state under the group's first "
+                          f"member: load a checkpoint with the te.options(group_linears=...) it was saved with")
         out = dict(self.pending)
         for name, i in self.names.items():
             if i not in self.ran:  # registered, not run yet

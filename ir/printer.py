@@ -36,17 +36,15 @@ def python_source(trace: Trace) -> str:
     if len(trace.inputs) != len(params):  # a malformed trace prints, and says so
         lines.insert(2, f"#   MALFORMED: {len(trace.inputs)} input specs for {len(params)} placeholders")
     lines += [_HEADER, f"def {_identifier(trace.name)}({', '.join(params)}):"]
-    body = []
     for node in trace.graph.nodes:
         if node.op == "placeholder":
             continue
         if node.op == "output":
             kinds = ", ".join(s.kind + (f"→{s.target}" if s.target else "") for s in trace.outputs)
-            body.append(f"return {_format(node.args[0], names)}" + (f"  # {kinds}" if trace.outputs else ""))
+            lines.append(f"    return {_format(node.args[0], names)}" + (f"  # {kinds}" if trace.outputs else ""))
             continue
         name, expr = names.bind(node), _expression(node, names)
-        body.append(f"{name} = {expr}  # {describe_value(node_value(node))}{_tags(node)}")
-    lines.extend("    " + line for line in body)
+        lines.append(f"    {name} = {expr}  # {describe_value(node_value(node))}{_tags(node)}")
     return "\n".join(lines) + "\n"
 
 

@@ -173,8 +173,7 @@ def fake_like(like: torch.Tensor, shape, *, stride=None, dtype=None, device=None
     """The metadata a pass sets on a node it creates: an empty tensor of `shape` (and `stride`) in the fake
     mode of `like` (a meta tensor when it is not fake), with `like`'s dtype and device unless given."""
     dtype = like.dtype if dtype is None else dtype
-    mode = getattr(like, "fake_mode", None)
-    if mode is None:
+    if (mode := getattr(like, "fake_mode", None)) is None:
         return torch.empty(tuple(shape), dtype=dtype, device="meta")
     device = like.device if device is None else device
     with mode:
@@ -198,8 +197,6 @@ def describe_value(v: Any) -> str:
     return type(v).__name__
 
 
-_DTYPE_ABBREV = {
-    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-    torch.bool: "b8", torch.complex64: "c64", torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2",
-}
+_DTYPE_ABBREV = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+                 torch.bool: "b8", torch.complex64: "c64", torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2"}

@@ -64,9 +64,8 @@ def _check_nodes(trace: Trace, known: set, who: str, entered: list) -> None:
 def _check_outputs(before: Trace, after: Trace, who: str, dtypes_may_change: bool) -> None:
     old, new = before.output_values(), after.output_values()
     if len(old) != len(new):
-        raise TraceError(f"{who}: trace {after.name!r} has {len(new)} outputs, its input trace had "
-                         f"{len(old)}; a pass must keep every output (AOTAutograd and the caller "
-                         f"read them by position)")
+        raise TraceError(f"{who}: trace {after.name!r} has {len(new)} outputs, its input trace had {len(old)}; "
+                         f"a pass must keep every output (AOTAutograd and the caller read them by position)")
     for i, (a, b) in enumerate(zip(old, new)):
         va = node_value(a) if isinstance(a, fx.Node) else a
         vb = node_value(b) if isinstance(b, fx.Node) else b

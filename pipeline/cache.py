@@ -84,8 +84,7 @@ def pipeline_source_hash() -> str:
     digest = hashlib.sha256()
     for package in ("ir", "executors", "pipeline", "transforms"):
         for path in sorted(pathlib.Path(root, package).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+            digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
     return digest.hexdigest()
 
 

@@ -151,8 +151,7 @@ class PipelineBackend:
         stage = functools.partial(self._lower_stage, record=record, captured=trace, cache=cache, serializable=recording)
         # Serializable only while recording: else AOTAutograd consults torch's own cache (its dir and trust model).
         forward = functools.partial(stage, "forward")
-        start = time.perf_counter()
-        inner_before = sum(record.seconds.values())
+        start, inner_before = time.perf_counter(), sum(record.seconds.values())
         with warm_start.record_entry(cache.key, cache.aot_entry_done, record.cache_notes.append) \
                 if recording else contextlib.nullcontext(), _aot_graph_logs_off():
             compiled = aot_module_simplified(

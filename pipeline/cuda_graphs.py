@@ -105,7 +105,6 @@ def _mutated_inputs(gm: fx.GraphModule) -> list[str]:
         bound = {**dict(zip((a.name for a in schema.arguments), node.args)), **node.kwargs}
         for arg in schema.arguments:
             value = bound.get(arg.name)
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node) \
-                    and value in placeholders:
+            if getattr(arg.alias_info, "is_write", False) and isinstance(value, fx.Node) and value in placeholders:
                 out.append(value.name)
     return out

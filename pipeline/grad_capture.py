@@ -88,8 +88,7 @@ class GradCapture:
         flat_args, in_spec = pytree.tree_flatten((args, kwargs))
         key = (in_spec, torch.is_grad_enabled(), getattr(module, "training", None),
                tuple(_signature(v) for v in [*params.values(), *buffers.values(), *flat_args]))
-        entry = self.cache.get(key)
-        if entry is None:
+        if (entry := self.cache.get(key)) is None:
             if self.cache:
                 self.state.history.recompiles += 1
             entry = self.cache[key] = self._compile(params, buffers, flat_args, in_spec)

@@ -132,8 +132,7 @@ def compile_stats(cm) -> CompileStats:
         recompile_reasons=[r.recompile_reason for r in history.records if r.recompile_reason],
         eager_fallbacks={r.graph_id: r.eager_fallback for r in history.records if r.eager_fallback},
         op_fallbacks=[(r.graph_id, op, why) for r in history.records for op, why in r.fallbacks],
-        region_fallbacks=[(g.id, g.fallback_reason) for r in history.records for g in r.regions
-                          if g.fallback_reason],
+        region_fallbacks=[(g.id, g.fallback_reason) for r in history.records for g in r.regions if g.fallback_reason],
         decomposed=dict(Counter(op for r in history.records for op in r.decomposed)),
         cache={r.graph_id: r.cache for r in history.records if r.cache},
         cache_notes=[(r.graph_id, n) for r in history.records for n in r.cache_notes],
@@ -171,8 +170,7 @@ def explain(fn_or_module: Callable, *args, **kwargs) -> Explanation:
         where = f"{frame.filename}:{frame.lineno}" if frame else "unknown"
         breaks.append(GraphBreak(reason=b.reason.splitlines()[0], where=where))
     return Explanation(graphs=out.graph_count, graph_breaks=breaks,
-                       ops_per_graph=[sum(n.op.startswith("call_") for n in g.graph.nodes)
-                                      for g in out.graphs])
+                       ops_per_graph=[sum(n.op.startswith("call_") for n in g.graph.nodes) for g in out.graphs])
 
 
 def format_table(rows: list[tuple[str, ...]]) -> list[str]:

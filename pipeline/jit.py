@@ -161,8 +161,7 @@ def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], d
     model_transforms = [t for t in transforms if isinstance(t, ModelTransform)]
     passes = [as_pass(t) for t in transforms if not isinstance(t, (ModelTransform, Materialize))]
     if (preparations or model_transforms) and not isinstance(model_or_fn, torch.nn.Module):
-        raise TypeError(f"{(preparations + model_transforms)[0].name} changes a module's parameters; "
-                        f"jit an nn.Module")
+        raise TypeError(f"{(preparations + model_transforms)[0].name} changes a module's parameters; jit an nn.Module")
     if model_transforms and differentiates_inside(model_or_fn):
         raise NotImplementedError(f"{model_transforms[0].name} does not combine yet with models that "
                                   f"call torch.autograd.grad in forward")

@@ -48,11 +48,8 @@ class ModelTransformInputs(RuntimeWrapper):
 
         def run(*args):
             flat = []
-            for a, r in zip(args, plan):
-                if r is None:
-                    flat.append(a)
-                else:  # read at each call: loading a checkpoint may swap the tensors
-                    flat.extend(r.tensors.values())
+            for a, r in zip(args, plan):  # `r.tensors` read at each call: loading a checkpoint may swap them
+                flat.extend((a,) if r is None else r.tensors.values())
             return fn(*flat)
         return run
 

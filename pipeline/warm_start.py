@@ -56,9 +56,8 @@ class StageCode(OutputCode):
     def __getstate__(self):
         if self._graph_bytes is None:
             raise TypeError("StageCode pickles only after prepare_for_serialization")
-        return {"stage": self.stage, "lowered": self.lowered, "assignment": self.assignment,
-                "why_not": self.why_not, "graph": self._graph_bytes, "trace": self._trace_fields,
-                "boxed": self.boxed_code}
+        return {"stage": self.stage, "lowered": self.lowered, "assignment": self.assignment, "why_not": self.why_not,
+                "graph": self._graph_bytes, "trace": self._trace_fields, "boxed": self.boxed_code}
 
     def __setstate__(self, state):
         self.stage, self.lowered, self.assignment = state["stage"], state["lowered"], state["assignment"]
@@ -126,9 +125,8 @@ def record_entry(key: str, on_entry: Callable[[bytes, float], None], on_failure:
         on_entry(data, time.perf_counter() - start)
 
     patched = {"enable_autograd_cache": True, "bundled_autograd_cache": True, "force_non_lazy_backward_lowering": True}
-    with functorch_config.patch(patched), \
-            mock.patch.object(AOTAutogradCache, "try_load", staticmethod(start)), \
-            mock.patch.object(AOTAutogradCache, "save", staticmethod(save)):
+    with (functorch_config.patch(patched), mock.patch.object(AOTAutogradCache, "try_load", staticmethod(start)),
+          mock.patch.object(AOTAutogradCache, "save", staticmethod(save))):
         yield
 
 

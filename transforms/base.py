@@ -20,8 +20,7 @@ class TracePass:
 
     def __post_init__(self):
         if self.runs_on not in STAGES:
-            raise ValueError(f"pass {self.name or self.fn!r}: runs_on must be one of {STAGES}, "
-                             f"got {self.runs_on!r}")
+            raise ValueError(f"pass {self.name or self.fn!r}: runs_on must be one of {STAGES}, got {self.runs_on!r}")
         if not callable(self.fn):
             raise TypeError(f"a trace pass must be callable, got {self.fn!r}")
         if not self.name:

@@ -15,12 +15,10 @@ from .base import TracePass, pass_factory
 
 aten = torch.ops.aten
 
-EXPENSIVE = {
-    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._convolution,
-    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
-    aten._flash_attention_forward, aten._efficient_attention_forward,
-}
+EXPENSIVE = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._convolution,
+             aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+             aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
+             aten._flash_attention_forward, aten._efficient_attention_forward}
 
 
 def is_expensive(node: fx.Node) -> bool:

@@ -25,10 +25,7 @@ def cpu_offload(min_bytes: int = 1 << 16) -> TracePass:
         if trace.stage not in (Stage.FORWARD, Stage.BACKWARD):
             return trace
         gm = trace.editable()
-        if trace.stage == Stage.FORWARD:
-            _offload_saved_outputs(gm, trace, offloaded)
-        else:
-            _reload_saved_inputs(gm, trace, offloaded)
+        (_offload_saved_outputs if trace.stage == Stage.FORWARD else _reload_saved_inputs)(gm, trace, offloaded)
         gm.recompile()
         return trace.derive(gm, by="cpu_offload")
 

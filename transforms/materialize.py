@@ -29,9 +29,8 @@ class Materialize:
         # cannot hold (non-persistent buffers, such as rotary tables) still must.
         needs_init = [(name, m) for name, m in on_meta
                       if self.checkpoint is None or getattr(m, "_non_persistent_buffers_set", ())]
-        missing = [name or type(m).__name__ for name, m in needs_init
-                   if not callable(getattr(m, "reset_parameters", None))]
-        if missing:
+        if missing := [name or type(m).__name__ for name, m in needs_init
+                       if not callable(getattr(m, "reset_parameters", None))]:
             raise ValueError(f"materialize: modules {missing} have meta tensors but no reset_parameters() to "
                              f"initialise them; give them one" + ("" if self.checkpoint else ", or pass a checkpoint"))
         for _, module in on_meta:
@@ -88,9 +87,8 @@ def _saved_hint(file_keys, model_keys) -> str:
     """A hint when the file holds the model's keys under `pipeline.save`'s prefix."""
     if not any(SAVED_PREFIX + k in file_keys for k in model_keys):
         return ""
-    return (f". It looks like a file written by pipeline.save (the model's state under '{SAVED_PREFIX}'): "
-            f"jit with materialize() and then call pipeline.load(cm, path), or write the file with the "
-            f"prefix stripped")
+    return (f". It looks like a file written by pipeline.save (the model's state under '{SAVED_PREFIX}'): jit with "
+            f"materialize() and then call pipeline.load(cm, path), or write the file with the prefix stripped")
 
 
 def _listed(items: list, limit: int = 8) -> str:
