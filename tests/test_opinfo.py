@@ -19,6 +19,15 @@ FAST_TORCH = {
     "rsqrt", "sigmoid", "softmax", "split", "sqrt", "stack", "sub", "sum", "tanh", "transpose",
     "var_mean", "where",
 }
+# ops of which nvFuser takes the first sample (at least one region): its translations, op by op
+FAST_NVFUSER = {
+    "abs", "add", "amax", "amin", "ceil", "clamp", "clone", "cos", "eq", "erf", "exp", "exp2", "expm1", "floor",
+    "ge", "gt", "isnan", "le", "log", "log1p", "log_softmax", "logical_and", "logical_not", "logical_or", "lt",
+    "maximum", "mean", "minimum", "mul", "ne", "neg", "nn.functional.cross_entropy", "nn.functional.gelu",
+    "nn.functional.layer_norm", "nn.functional.relu", "nn.functional.rms_norm", "nn.functional.silu",
+    "nn.functional.softmin", "pow", "reciprocal", "round", "rsqrt", "rsub", "sigmoid", "sign", "sin", "softmax",
+    "sqrt", "sub", "sum", "tanh", "var_mean", "where",
+}
 FAST_INDUCTOR = {"add", "mm", "nn.functional.gelu", "nn.functional.layer_norm", "softmax", "where",
                  "linalg.inv",  # an effect token (its error check) passed through the region
                  "nn.functional.unfold"}  # an empty output, whose strides Inductor leaves 0
@@ -37,14 +46,14 @@ def _ops(names=None):
     return out
 
 
-def check_op(op, executor):
+def check_op(op, executor, device="cpu"):
     """Runs the op's first float32 sample in eager and through pipeline.jit; compares outputs and
-    input gradients."""
+    input gradients. Returns the jitted function."""
     if torch.Tag.nondeterministic_seeded in getattr(op.op, "tags", ()) or op.name in _RANDOM:
         pytest.skip("random op: outputs differ by design")
-    samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=op.supports_autograd))
+    samples = list(op.sample_inputs(device, torch.float32, requires_grad=op.supports_autograd))
     if not samples:
-        pytest.skip("op_db has no float32 sample on the CPU")
+        pytest.skip(f"op_db has no float32 sample on {device}")
     sample = samples[0]
     flat, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
     positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
@@ -64,7 +73,7 @@ def check_op(op, executor):
         differentiable = [o for o in outs if o.requires_grad and o.is_floating_point()]
         wants = [t for t in tensors if t.requires_grad]
         if differentiable and wants:
-            loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in differentiable)
+            loss = sum((o * torch.linspace(-1, 1, o.numel(), device=o.device).view_as(o)).sum() for o in differentiable)
             grads = torch.autograd.grad(loss, wants, allow_unused=True)
         return [o.detach() for o in outs], grads
 
@@ -73,7 +82,7 @@ def check_op(op, executor):
     except Exception as e:  # e.g. CUDA-only jiterator ops listed with CPU dtypes
         pytest.skip(f"eager itself fails on this sample: {type(e).__name__}: {str(e)[:100]}")
     try:
-        out, grads = run(pipeline.jit(fn, executors=[executor], fallback="raise"))
+        out, grads = run(jitted := pipeline.jit(fn, executors=[executor], fallback="raise"))
     except pipeline.PipelineFallbackError as e:  # visible in the summary, never a silent pass
         if op.name not in NOT_CAPTURED or "compiled no graph" not in str(e):
             raise
@@ -87,6 +96,7 @@ def check_op(op, executor):
             assert a is None and b is None
         else:
             torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-4, atol=1e-4)
+    return jitted
 
 
 # samples whose op call Dynamo does not trace (the whole call runs in eager, as under torch.compile), by why:
@@ -137,3 +147,21 @@ def test_op_sweep_torch_executor(op):
 @pytest.mark.parametrize("op", _ops())
 def test_op_sweep_inductor(op):
     check_op(op, "inductor")
+
+
+@pytest.mark.parametrize("op", _ops(FAST_NVFUSER))
+def test_op_nvfuser_claims_on_cpu(op, nvfuser_claims_on_cpu):
+    """nvFuser's claims, partition and runner (its fusions replaced by their ATen graphs): each op is taken."""
+    jitted = check_op(op, nvfuser_claims_on_cpu)
+    assert any(r.executor == "nvfuser" for r in pipeline.regions(jitted)), str(pipeline.regions(jitted))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", _ops(FAST_NVFUSER))
+def test_op_nvfuser_on_cuda(op):
+    """nvFuser's translations against eager on the GPU, op by op (a region's result check compares metadata only)."""
+    import executors
+    if not (availability := executors.nvfuser.available()):
+        pytest.skip(availability.reason)
+    jitted = check_op(op, "nvfuser", device="cuda")
+    assert any(r.executor == "nvfuser" for r in pipeline.regions(jitted)), str(pipeline.regions(jitted))
