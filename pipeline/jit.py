@@ -1,7 +1,6 @@
 """`pipeline.jit`: compiles a module or function through the pipeline; the result behaves like what it
 wraps (`JittedModule`, `JittedFunction`), and calling it runs the compiled graphs."""
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -124,30 +123,15 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
 def _own_recompile_budget() -> dict:
     """Each jit its own Dynamo cache entries and recompile limit. Dynamo keys compiled code on the code object
     (`Model.forward`, shared by every instance of a class) and guards it on the backend; without this, the 9th jitted
-    instance of one class would hit the recompile limit (8) and run uncompiled. torch 2.11 lacks the option: there each
-    jit is counted (`_jits`), the limit is raised by one per jit while a jitted call runs (`recompile_limit`), and a hit
-    limit is still reported (`_DynamoGiveUps`)."""
+    instance of one class would hit the recompile limit (8) and run uncompiled. torch 2.11 lacks the option: there the
+    limit is raised by one per jit (counted in `_jits`) and a hit limit is still reported (`_DynamoGiveUps`)."""
     global _jits
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         return {"isolate_recompiles": True}
     _jits += 1
+    if _jits > 1 and torch._dynamo.config.recompile_limit < 8 + _jits:
+        torch._dynamo.config.recompile_limit = 8 + _jits
     return {}
-
-
-def recompile_limit() -> int:
-    """The recompile limit a jitted call runs under: Dynamo's; on torch 2.11, at least 8 + one per jit so far."""
-    return max(torch._dynamo.config.recompile_limit, 8 + _jits if _jits > 1 else 0)
-
-
-@contextlib.contextmanager
-def _recompile_limit_raised():
-    """`recompile_limit()` only while a jitted call runs, so that other code's torch.compile keeps Dynamo's own."""
-    config, before = torch._dynamo.config, torch._dynamo.config.recompile_limit
-    config.recompile_limit = recompile_limit()
-    try:
-        yield
-    finally:
-        config.recompile_limit = before
 
 
 _jits = 0
@@ -220,8 +204,7 @@ def _call(runner, state: CompileState, args, kwargs):
     start = time.perf_counter()
     _give_ups.calls.append([])
     try:
-        raised = _recompile_limit_raised() if _jits > 1 else contextlib.nullcontext()  # torch 2.11 only
-        with old_objects_frozen(on=not history.calls), raised:  # the first call: Dynamo's capture too
+        with old_objects_frozen(on=not history.calls):  # the first call: Dynamo's capture too
             out = runner(*args, **kwargs)
     except torch._dynamo.exc.Unsupported as e:
         if config.fullgraph:
