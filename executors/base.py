@@ -48,6 +48,7 @@ class Executor:
         return None
 
     def available(self) -> Availability:
+        """Truthy when the executor can run here; otherwise falsy, with the reason as `.reason`."""
         return Availability(self.unavailable_reason())
 
     def claims_op(self, op, node: fx.Node) -> bool:
