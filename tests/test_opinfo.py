@@ -85,7 +85,8 @@ def check_op(op, executor, device="cpu"):
     except Exception as e:  # e.g. CUDA-only jiterator ops listed with CPU dtypes
         pytest.skip(f"eager itself fails on this sample: {type(e).__name__}: {str(e)[:100]}")
     try:
-        out, grads = run(jitted := pipeline.jit(fn, executors=[executor], fallback="raise"))
+        # static shapes: every op jits the same `fn` code, whose sizes Dynamo would otherwise mark dynamic after a few
+        out, grads = run(jitted := pipeline.jit(fn, executors=[executor], fallback="raise", dynamic=False))
     except pipeline.PipelineFallbackError as e:  # visible in the summary, never a silent pass
         why, graph_break = NOT_CAPTURED.get(op.name, (None, None))
         if why is None or "compiled no graph" not in str(e) or graph_break not in str(e):
