@@ -27,6 +27,17 @@ def run_both(model, *inputs, executors=("torch",), train=False, **jit_kwargs):
     return outs[0], outs[1], eager, jitted
 
 
+def require_executors(*names):
+    """Skips the test where a listed executor cannot run (nvFuser or TE missing, no GPU), saying why."""
+    import pytest
+
+    import executors
+    for n in names:
+        availability = getattr(executors, n.split("-")[0]).available()
+        if not availability:
+            pytest.skip(availability.reason)
+
+
 def assert_compiled_by(jitted, executors):
     """The jitted model compiled (no graph in eager, no fallback) and the first listed executor
     runs at least one region: matching eager alone would also pass with nothing compiled."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pipeline
+from helpers import require_executors
 from models import Llama, LlamaConfig
 from models.llama import next_token_loss
 
@@ -94,17 +95,9 @@ def _executors(names):
     return out
 
 
-def _require(*names):
-    import executors
-    for n in names:
-        availability = getattr(executors, n.split("-")[0]).available()
-        if not availability:
-            pytest.skip(availability.reason)
-
-
 @pytest.mark.parametrize("names", [["nvfuser"], ["te"], ["te", "nvfuser", "inductor"]])
 def test_gpu_executors_train_llama_like_eager_in_bf16(names):
-    _require(*names)
+    require_executors(*names)
     model, eager = llama_pair(torch.bfloat16)
     tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
     cm = pipeline.jit(model, executors=_executors(names))
@@ -115,7 +108,7 @@ def test_gpu_executors_train_llama_like_eager_in_bf16(names):
 
 
 def test_te_nvfuser_inductor_route_ops_by_priority():
-    _require("te", "nvfuser")
+    require_executors("te", "nvfuser")
     model, _ = llama_pair(torch.bfloat16)
     cm = pipeline.jit(model, executors=["te", "nvfuser", "inductor"])
     step(cm, torch.randint(0, CONFIG.vocab, (2, 64), device="cuda"))
@@ -129,7 +122,7 @@ def test_te_nvfuser_inductor_route_ops_by_priority():
 def test_autotune_races_nvfuser_and_inductor_on_cuda_and_trains_like_eager():
     """autotune=True: each kind of region both can take is timed with CUDA events at its first
     call and runs on the faster one; every such region shows both times; the step is eager's."""
-    _require("nvfuser")
+    require_executors("nvfuser")
     model, eager = llama_pair(torch.bfloat16)
     tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
     cm = pipeline.jit(model, executors=["nvfuser", "inductor"], autotune=True)
@@ -167,7 +160,7 @@ def test_autotune_times_the_gpus_work_not_the_launching():
 @pytest.mark.parametrize("exponent", [1, 2, 3, 0.5, -0.5, -1, 1.7])
 def test_nvfuser_pow_by_a_scalar_matches_eager(exponent):
     """Small exponents become multiplies or roots in nvFuser; values and gradients stay eager's."""
-    _require("nvfuser")
+    require_executors("nvfuser")
 
     def fn(x):
         return (x.pow(exponent) * 3).sum(-1)
@@ -191,7 +184,7 @@ def relative_error(a, b):
 
 @pytest.mark.parametrize("grouped", [True, False])
 def test_te_fp8_trains_close_to_bf16_and_reports_the_fp8_share(grouped):
-    _require("te")
+    require_executors("te")
     import executors
     model, eager = llama_pair(torch.bfloat16)
     tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
@@ -206,7 +199,7 @@ def test_te_fp8_trains_close_to_bf16_and_reports_the_fp8_share(grouped):
 def test_te_fp8_keeps_no_fp8_copies_for_the_backward():
     """The fp8 linear saves its bf16 x and W (kept or recomputed for other ops anyway) and casts them
     again in the backward, as torchao's float8 does: no fp8 transposes held from forward to backward."""
-    _require("te")
+    require_executors("te")
     import executors
     model, _ = llama_pair(torch.bfloat16)
     tokens = torch.randint(0, CONFIG.vocab, (2, 64), device="cuda")
@@ -222,7 +215,7 @@ def test_te_fp8_keeps_no_fp8_copies_for_the_backward():
 
 
 def test_te_fp8_leaves_shapes_it_cannot_take_with_the_reason():
-    _require("te")
+    require_executors("te")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.ReLU(), torch.nn.Linear(24, 32)).cuda().bfloat16()
     cm = pipeline.jit(model, executors=_executors(["te-fp8", "inductor"]))
@@ -237,7 +230,7 @@ def test_te_fp8_leaves_shapes_it_cannot_take_with_the_reason():
     (["te"], torch.bfloat16, 2e-2, (1e-1, 2e-2)),
     (["te", "nvfuser", "inductor"], torch.bfloat16, 2e-2, (1e-1, 2e-2))])
 def test_executors_train_hf_llama_like_eager(names, dtype, loss_tol, grad_tol):
-    _require(*names)
+    require_executors(*names)
     model = hf_llama().to(dtype)
     eager = copy.deepcopy(model)
     tokens = torch.randint(0, 512, (2, 64), device="cuda")
@@ -287,7 +280,7 @@ def test_quantized_llama_on_cuda_is_close_to_full_precision(kind, tolerance):
 
 
 def test_te_fp8_delayed_scaling_trains_and_keeps_its_state_in_the_state_dict():
-    _require("te")
+    require_executors("te")
     import executors
     from transformer_engine.common.recipe import DelayedScaling
     recipe = DelayedScaling(amax_history_len=16)
@@ -335,7 +328,7 @@ def test_cuda_graphs_train_like_the_same_executors_without_them(names):
     """`cuda_graphs=True` records each stage once and replays it: four training steps (warm-up,
     record, two replays) give the losses and gradients of the same executors run region by region,
     and the replayed step launches CUDA graphs."""
-    _require(*[n for n in names if n != "inductor"])
+    require_executors(*[n for n in names if n != "inductor"])
     model, plain_model = llama_pair(torch.bfloat16)
     graphed = pipeline.jit(model, executors=_executors(names), cuda_graphs=True)
     plain = pipeline.jit(plain_model, executors=_executors(names))

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeline
-from helpers import assert_step_matches_eager
+from helpers import assert_step_matches_eager, require_executors
 from models import LanguageModelLoss, Llama, LlamaConfig
 
 aten = torch.ops.aten
@@ -107,9 +107,7 @@ def test_with_only_torch_the_backward_keeps_eagers_ops():
 @pytest.mark.cuda
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_on_cuda_nvfuser_runs_the_pointwise_gradient_like_eager(reduction):
-    import executors
-    if not (availability := executors.nvfuser.available()):
-        pytest.skip(availability.reason)
+    require_executors("nvfuser")
     torch.manual_seed(0)
     model = Loss(reduction).cuda().bfloat16()
     x, target = torch.randn(64, 16, device="cuda", dtype=torch.bfloat16), torch.randint(0, VOCAB, (64,), device="cuda")

@@ -9,6 +9,7 @@ from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils import _pytree as pytree
 
 import pipeline
+from helpers import require_executors
 
 FAST_TORCH = {
     "abs", "add", "addmm", "amax", "bmm", "cat", "clamp", "cos", "cumsum", "div", "exp", "expand",
@@ -85,8 +86,7 @@ def check_op(op, executor, device="cpu"):
     except Exception as e:  # e.g. CUDA-only jiterator ops listed with CPU dtypes
         pytest.skip(f"eager itself fails on this sample: {type(e).__name__}: {str(e)[:100]}")
     try:
-        # static shapes: every op jits the same `fn` code, whose sizes Dynamo would otherwise mark dynamic after a few
-        out, grads = run(jitted := pipeline.jit(fn, executors=[executor], fallback="raise", dynamic=False))
+        out, grads = run(jitted := pipeline.jit(fn, executors=[executor], fallback="raise"))
     except pipeline.PipelineFallbackError as e:  # visible in the summary, never a silent pass
         why, graph_break = NOT_CAPTURED.get(op.name, (None, None))
         if why is None or "compiled no graph" not in str(e) or graph_break not in str(e):
@@ -176,7 +176,5 @@ def test_op_nvfuser_claims_on_cpu(op, nvfuser_claims_on_cpu):
 @pytest.mark.parametrize("op", _ops(FAST_NVFUSER))
 def test_op_nvfuser_on_cuda(op):
     """nvFuser's translations against eager on the GPU, op by op (a region's result check compares metadata only)."""
-    import executors
-    if not (availability := executors.nvfuser.available()):
-        pytest.skip(availability.reason)
+    require_executors("nvfuser")
     _assert_nvfuser_took_the_forward(op, check_op(op, "nvfuser", device="cuda"))
