@@ -58,7 +58,7 @@ def disabled_reason(option: bool) -> Optional[str]:
 def graph_key(gm, example_inputs, state) -> str:
     """The hash naming a captured graph's entry; raises `Uncacheable`."""
     parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}", f"pipeline {pipeline_source_hash()}",
-             f"modes {global_modes()}", gm.graph.python_code(root_module="self").src]  # `gm.code` compiles it too
+             f"modes {global_modes()}", *graph_code(gm)]
     parts += [value_signature(v) for v in example_inputs]
     parts += [f"owner {state.config.owners.get(id(v))}" for v in example_inputs]
     parts += [pass_identity(p) for p in state.config.passes]
@@ -69,12 +69,29 @@ def graph_key(gm, example_inputs, state) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def graph_code(gm) -> list[str]:
+    """The code of the captured graph and of every graph under it: the bodies of higher-order ops
+    (checkpoint, an autograd.Function's forward and backward, cond's branches) are submodules that
+    the top graph's code only names. Any other submodule's code cannot be read: `Uncacheable`."""
+    parts = []
+    for name, sub in gm.named_modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            raise Uncacheable(f"the captured graph holds a {type(sub).__qualname__} ({name}) whose code is not a graph")
+        parts.append(f"graph {name or '<root>'}\n{sub.graph.python_code(root_module='self').src}")  # `.code` compiles
+    return parts
+
+
 def global_modes() -> str:
     """The global state AOTAutograd lowers under: the same graph traced with and without grad is an
-    inference graph or a forward + backward (a warm start loads the lowering, so it is in the key)."""
+    inference graph or a forward + backward, and factory ops without a dtype take the default one
+    (a warm start loads the lowering, so all of it is in the key)."""
     autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+    matmul = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+              torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+              torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
     return (f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()} "
-            f"deterministic={torch.are_deterministic_algorithms_enabled()} autocast={autocast}")
+            f"deterministic={torch.are_deterministic_algorithms_enabled()} autocast={autocast} "
+            f"default_dtype={torch.get_default_dtype()} matmul={matmul}")
 
 
 @functools.cache

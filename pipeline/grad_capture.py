@@ -13,6 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .cache import global_modes
 from .compiler import PipelineBackend
 
 
@@ -75,7 +76,8 @@ class _Entry:
 
 class GradCapture:
     """Callable that compiles and runs a model through `trace_through_grad`, one compilation per
-    input signature (shapes, dtypes, requires_grad, grad mode, train/eval)."""
+    input signature (shapes, dtypes, requires_grad, the global modes `cache.global_modes` names, each
+    submodule's train/eval)."""
 
     def __init__(self, model_or_fn, state):
         self.target, self.state = model_or_fn, state
@@ -86,7 +88,7 @@ class GradCapture:
         params = dict(module.named_parameters()) if module is not None else {}
         buffers = dict(module.named_buffers()) if module is not None else {}
         flat_args, in_spec = pytree.tree_flatten((args, kwargs))
-        key = (in_spec, torch.is_grad_enabled(), getattr(module, "training", None),
+        key = (in_spec, global_modes(), tuple(m.training for m in module.modules()) if module is not None else None,
                tuple(_signature(v) for v in [*params.values(), *buffers.values(), *flat_args]))
         if (entry := self.cache.get(key)) is None:
             if self.cache:

@@ -222,6 +222,58 @@ def test_a_change_to_the_pipeline_source_is_a_different_entry(mlp, monkeypatch):
     assert pipeline.compile_stats(changed).cache == {"g0": "miss"} and len(entries()) == 2
 
 
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _DoubledWrongly(_Doubled):  # the same forward; only the backward differs
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 100
+
+
+@pytest.mark.parametrize("first, second", [
+    (lambda x: torch.utils.checkpoint.checkpoint(lambda y: y.sin() * 2, x, use_reentrant=False),
+     lambda x: torch.utils.checkpoint.checkpoint(lambda y: y.cos() * 2, x, use_reentrant=False)),
+    (lambda x: _Doubled.apply(x), lambda x: _DoubledWrongly.apply(x)),
+], ids=["checkpoint body", "autograd.Function backward"])
+def test_graphs_differing_only_inside_a_higher_order_op_are_different_entries(first, second):
+    """The top graph's code only names a higher-order op's body (a submodule): the key hashes the bodies."""
+    for fn in (first, second):
+        torch._dynamo.reset()
+        x, ref = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+        cm = pipeline.jit(fn, executors=["torch"], fallback="raise")
+        cm(x).sum().backward()
+        fn(ref).sum().backward()
+        assert torch.equal(x.grad, ref.grad) and pipeline.compile_stats(cm).cache == {"g0": "miss"}
+    assert len(entries()) == 2
+
+
+def test_the_default_dtype_is_in_the_key():
+    """`torch.tensor(16777217.)` is 16777216 in float32 and exact in float64: the same captured graph
+    lowers to other constants under another default dtype."""
+    def fn(x):
+        return x.double() + torch.tensor(16777217.0)
+
+    x = torch.zeros(2)
+    saved = torch.get_default_dtype()
+    try:
+        for dtype in (torch.float32, torch.float64):
+            torch._dynamo.reset()
+            torch.set_default_dtype(dtype)
+            cm = pipeline.jit(fn, executors=["torch"], fallback="raise")
+            assert torch.equal(cm(x), fn(x)) and pipeline.compile_stats(cm).cache == {"g0": "miss"}
+    finally:
+        torch.set_default_dtype(saved)
+    assert len(entries()) == 2
+
+
 def test_executor_without_artifacts_still_caches_the_graph_and_says_so(mlp):
     from executors import Executor
 

@@ -79,3 +79,35 @@ def test_force_training_matches_eager_with_inductor():
     for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert {r.executor for r in pipeline.regions(cm)} == {"inductor"}
+
+
+def test_switching_a_submodule_or_the_default_dtype_compiles_again():
+    """The path through autograd.grad keys its compilations on every submodule's train/eval and the
+    global modes, as Dynamo's guards do on the other path: a dropout switched off takes effect."""
+    class WithDropout(Potential):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, positions):
+            positions = positions.requires_grad_(True)
+            energy = self.out(self.drop(torch.tanh(self.embed(positions)))).sum()
+            return energy, -torch.autograd.grad(energy, positions, create_graph=True)[0]
+
+    model = WithDropout()
+    cm = pipeline.jit(model, executors=["torch"], fallback="raise")
+    positions = torch.randn(5, 3)
+    cm(positions.clone())
+    model.drop.eval()
+    for _ in range(2):
+        energy, forces = cm(positions.clone())
+        energy_ref, forces_ref = model(positions.clone())
+        assert torch.equal(energy, energy_ref) and torch.equal(forces, forces_ref)
+    saved = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        cm(positions.clone())
+    finally:
+        torch.set_default_dtype(saved)
+    assert pipeline.compile_stats(cm).recompilations == 2
+
