@@ -4,6 +4,7 @@
 cached artifact to the region graph it came from; `region_key` is the artifact cache's key."""
 
 import hashlib
+import operator
 from typing import Sequence
 
 import torch
@@ -23,8 +24,11 @@ def structure_key(source: fx.GraphModule) -> str:
         index[node] = f"%{len(index)}"
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
         if node.op == "get_attr":
-            value = getattr(source, node.target)
-            meta = value_signature(value) + (f" {tensor_digest(value)}" if isinstance(value, torch.Tensor) else "")
+            value = operator.attrgetter(node.target)(source)
+            if isinstance(value, fx.GraphModule):  # a higher-order op's body: its own structure, nested bodies too
+                meta = f"graph {structure_key(value)}"
+            else:
+                meta = value_signature(value) + (f" {tensor_digest(value)}" if isinstance(value, torch.Tensor) else "")
         else:
             meta = _value_signatures(node_value(node)) + (" donated" if node.meta.get("donated") else "")
         parts.append(f"{node.op} {node.target if node.op in ('call_function', 'call_method') else ''} {args!r} {meta}")
