@@ -115,9 +115,8 @@ class Checkpoint(contextlib.ExitStack):
 
     def read(self, key: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
         """Rows [start, stop) of tensor `key` (all of it by default)."""
-        if key in self.whole:
-            tensor = self.whole[key].get_slice(key)
-            return tensor[:] if start is None else tensor[start:stop]
+        if key in self.whole:  # a slice of a 0-dim tensor (BatchNorm's num_batches_tracked) cannot be taken
+            return self.whole[key].get_tensor(key) if start is None else self.whole[key].get_slice(key)[start:stop]
         parts = sorted(self.parts[key], key=lambda p: p[0])
         if start is None:
             start, stop = 0, max(p[1] for p in parts)

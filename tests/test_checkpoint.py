@@ -1,4 +1,6 @@
 """pipeline.save / pipeline.load: model and optimizer state through safetensors."""
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -65,3 +67,18 @@ def test_tied_weights_save_and_load(tmp_path):
     other.head.weight = other.embed.weight
     pipeline.load(pipeline.jit(other, executors=["torch"]), path)
     assert torch.equal(other.embed.weight, model.embed.weight) and other.head.weight is other.embed.weight
+
+
+def test_zero_dim_state_saves_and_loads(tmp_path, convbn):
+    """A 0-dim tensor in the state (BatchNorm's num_batches_tracked) loads whole: it has no rows to slice."""
+    cm = pipeline.jit(convbn, executors=["torch"])
+    cm(torch.randn(2, 3, 8, 8))
+    path = str(tmp_path / "bn.safetensors")
+    pipeline.save(cm, path)
+    other = copy.deepcopy(convbn)
+    for b in other.buffers():
+        b.zero_()
+    pipeline.load(pipeline.jit(other, executors=["torch"]), path)
+    for (name, a), (_, b) in zip(convbn.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert other.state_dict()["bn.num_batches_tracked"].item() == 1
