@@ -59,6 +59,7 @@ def graph_key(gm, example_inputs, state) -> str:
     """The hash naming a captured graph's entry; raises `Uncacheable`."""
     parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}", f"pipeline {pipeline_source_hash()}",
              f"modes {global_modes()}", *graph_code(gm)]
+    parts.append(f"aot_autograd {lowering_config()}")
     parts += [value_signature(v) for v in example_inputs]
     parts += [f"owner {state.config.owners.get(id(v))}" for v in example_inputs]
     parts += [pass_identity(p) for p in state.config.passes]
@@ -92,6 +93,22 @@ def global_modes() -> str:
     return (f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()} "
             f"deterministic={torch.are_deterministic_algorithms_enabled()} autocast={autocast} "
             f"default_dtype={torch.get_default_dtype()} matmul={matmul}")
+
+
+_CACHE_CONTROL = {"enable_autograd_cache", "bundled_autograd_cache", "force_non_lazy_backward_lowering",
+                  "enable_remote_autograd_cache", "bypass_autograd_cache_key", "force_autograd_cache",
+                  "strict_autograd_cache"}  # how AOTAutograd's cache runs, which `warm_start` sets itself
+
+
+def lowering_config() -> str:
+    """AOTAutograd's config (`torch._functorch.config`) but its cache's switches: `donated_buffer` alone decides
+    whether a backward may overwrite its saved tensors, which a second `backward(retain_graph=True)` reads again."""
+    from torch._functorch import config
+    items = sorted((k, v) for k, v in config.save_config_portable().items() if k not in _CACHE_CONTROL)
+    text = repr(items)
+    if " at 0x" in text:
+        raise Uncacheable("torch._functorch.config holds an object with no stable identity (a custom pass?)")
+    return text
 
 
 @functools.cache
