@@ -14,6 +14,7 @@ from unittest import mock
 import torch.fx as fx
 from functorch.compile import min_cut_rematerialization_partition
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+from torch._dynamo.exc import RestartAnalysis
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import CompileContext, TracingContext
 
@@ -99,8 +100,8 @@ class PipelineBackend:
         compile_id = CompileContext.current_compile_id()
         record = GraphRecord(f"g{len(state.history.records)}", str(compile_id) if compile_id else "?",
                              state.history.generation)
-        if compile_id is not None and getattr(compile_id, "frame_compile_id", 0):
-            state.history.recompiles += 1
+        recompile = compile_id is not None and bool(getattr(compile_id, "frame_compile_id", 0))
+        state.history.recompiles += recompile
         state.history.records.append(record)
         start = time.perf_counter()
         log.info("%s: captured %d ops (Dynamo frame %s)", record.graph_id,
@@ -109,6 +110,10 @@ class PipelineBackend:
             with old_objects_frozen():
                 return self._compile(gm, example_inputs, record)
         except (PassError, PipelineFallbackError, Warning):  # a Warning: warnings are errors here
+            raise
+        except RestartAnalysis:  # Dynamo's signal to capture this frame again (a Python float made a tensor)
+            state.history.records.remove(record)
+            state.history.recompiles -= recompile
             raise
         except Exception as e:  # model code the pipeline cannot lower runs in eager, loudly
             if state.config.replaced:  # the captured graph reads stand-ins for the transformed parameters

@@ -213,6 +213,23 @@ def test_the_recompile_limit_is_a_loud_fallback_naming_the_frame():
                for w in caught)
 
 
+def test_dynamo_asking_to_capture_again_is_not_a_fallback():
+    """A Python float that becomes dynamic and then a tensor makes Dynamo restart its analysis (an exception
+    the backend sees): the pipeline lets it through, so the frame compiles, rather than running it in eager."""
+    def shifted(x, s):
+        return x + torch.tensor([s, s, s])
+    cm = pipeline.jit(shifted, executors=["torch"])  # fallback="warn": with "raise" the signal passed already
+    x = torch.ones(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in (1.0, 2.0, 3.0):
+            assert torch.equal(cm(x, s), shifted(x, s))
+    stats = pipeline.compile_stats(cm)
+    # after the restart Dynamo specializes on the float's value, as under torch.compile: one graph per value
+    assert not stats.fallbacks and not stats.eager_fallbacks and stats.graphs == 3 and stats.recompilations == 2
+    assert not [w for w in caught if issubclass(w.category, PipelineFallbackWarning)]
+
+
 @pytest.mark.allow_fallback
 def test_a_call_that_compiles_nothing_says_so():
     sin = torch._dynamo.disable(torch.sin)  # Dynamo does not trace it: the whole call runs in eager
