@@ -11,6 +11,7 @@ import time
 from typing import Callable, Sequence
 from unittest import mock
 
+import torch
 import torch.fx as fx
 from functorch.compile import min_cut_rematerialization_partition
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
@@ -162,7 +163,7 @@ class PipelineBackend:
             compiled = aot_module_simplified(
                 trace.module, list(example_inputs),
                 fw_compiler=SerializableAOTDispatchCompiler(StageCode, forward) if recording else forward,
-                bw_compiler=functools.partial(stage, "backward"),
+                bw_compiler=torch._dynamo.disable(functools.partial(stage, "backward"), reason="compiles lazily, at runtime"),
                 inference_compiler=functools.partial(stage, "inference"),
                 partition_fn=functools.partial(self._partition, record=record, captured=trace),
                 decompositions={op: fn for ex in state.config.executors
@@ -322,7 +323,10 @@ class PipelineBackend:
             why_not = loaded.why_not if loaded else cuda_graphs.why_not_recordable(
                 trace, example_inputs, self.state.config.executors)
             fn = cuda_graphs.stage_callable(fn, executed, example_inputs, why_not, stage=stage, record=record)
-        return _timing_first_call(fn, record, stage), executed, execution.assignment, why_not
+        fn = _timing_first_call(fn, record, stage)
+        if stage == "backward":  # autograd may call it from a frame Dynamo is capturing (`loss.backward()` in a jitted step)
+            fn = torch._dynamo.disable(fn, reason="the pipeline's compiled backward")
+        return fn, executed, execution.assignment, why_not
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord, first=()) -> Trace:
         for p in (*first, *self.state.config.passes):

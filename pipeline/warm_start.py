@@ -38,6 +38,7 @@ class StageCode(OutputCode):
         self._trace_fields: Optional[tuple] = None
         self.boxed_code: Optional[tuple] = None  # the boxed stage's code (`boxed`), when it can be stored
 
+    @torch._dynamo.disable(reason="a compiled stage: autograd may call the backward from a frame Dynamo captures")
     def __call__(self, inputs):
         return self.run(inputs)
 

@@ -230,6 +230,29 @@ def test_dynamo_asking_to_capture_again_is_not_a_fallback():
     assert not [w for w in caught if issubclass(w.category, PipelineFallbackWarning)]
 
 
+def test_a_jitted_step_calling_backward_does_not_capture_the_pipeline():
+    """`loss.backward()` inside a jitted function: autograd calls the compiled backward from a frame Dynamo is
+    capturing. Dynamo must not trace the pipeline's own code there (it made 13 graphs and 108 graph breaks, and
+    hit the recompile limit in a cache-key helper); the step compiles as two graphs around the one break."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    eager = copy.deepcopy(model)
+
+    def step(m, x):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        return loss.detach()
+    cm = pipeline.jit(step, executors=["torch"])
+    for _ in range(3):
+        x = torch.randn(16, 4)
+        assert torch.equal(cm(model, x), step(eager, x))
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    stats = pipeline.compile_stats(cm)
+    assert stats.graphs == 2 and not stats.fallbacks and not stats.eager_fallbacks
+    assert len(stats.graph_breaks) == 1 and "backward" in stats.graph_breaks[0]
+
+
 @pytest.mark.allow_fallback
 def test_a_call_that_compiles_nothing_says_so():
     sin = torch._dynamo.disable(torch.sin)  # Dynamo does not trace it: the whole call runs in eager
