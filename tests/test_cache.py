@@ -222,13 +222,13 @@ def test_a_change_to_the_pipeline_source_is_a_different_entry(mlp, monkeypatch):
     assert pipeline.compile_stats(changed).cache == {"g0": "miss"} and len(entries()) == 2
 
 
-def test_aot_autograd_config_is_in_the_key(mlp, monkeypatch):
+def test_aot_autograd_config_is_in_the_key(mlp):
     """With `donated_buffer` on, a backward may overwrite its saved tensors (torch then refuses a second
     `backward(retain_graph=True)`); an entry compiled so must not load where it is off."""
     x = torch.randn(4, 16)
     compile_and_step(mlp, x)
-    monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
-    second, _, _ = compile_and_step(mlp, x)
+    with torch._functorch.config.patch(donated_buffer=False):
+        second, _, _ = compile_and_step(mlp, x)
     assert pipeline.compile_stats(second).cache == {"g0": "miss"} and len(entries()) == 2
 
 
