@@ -18,19 +18,39 @@ from .compiler import PipelineBackend
 
 
 def differentiates_inside(model_or_fn) -> bool:
-    """Whether the forward code (of the module and its submodules, or the function) calls
-    `autograd.grad`: a scan of the code objects for the attribute `grad` next to `autograd`."""
+    """Whether the forward code calls `autograd.grad`: a scan of the code objects (each module's forward,
+    or the function) for the attribute `grad` next to `autograd`, following the module-level functions
+    and the methods of the module's class they name, a few calls deep (a helper computing forces)."""
     if isinstance(model_or_fn, torch.nn.Module):
-        codes = {type(m).forward.__code__ for m in model_or_fn.modules()
-                 if isinstance(getattr(type(m), "forward", None), types.FunctionType)}
+        starts = [(type(m).forward, type(m)) for m in model_or_fn.modules()
+                  if isinstance(getattr(type(m), "forward", None), types.FunctionType)]
     else:
-        codes = {getattr(model_or_fn, "__code__", None)} - {None}
-    return any(_calls_autograd_grad(c) for c in codes)
+        starts = [(model_or_fn, None)]
+    seen: set = set()
+    return any(_calls_autograd_grad(fn, cls, seen) for fn, cls in starts)
 
 
-def _calls_autograd_grad(code: types.CodeType) -> bool:
+def _calls_autograd_grad(fn, cls, seen: set, depth: int = 0) -> bool:
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    if code is None or code in seen or depth > 3 or (depth and fn.__module__.split(".")[0] == "torch"):
+        return False
+    seen.add(code)
+    if _code_calls_grad(code):
+        return True
+    for name in _names(code):
+        called = scope.get(name) if isinstance(scope.get(name), types.FunctionType) else getattr(cls, name, None)
+        if isinstance(called, types.FunctionType) and _calls_autograd_grad(called, cls, seen, depth + 1):
+            return True
+    return False
+
+
+def _code_calls_grad(code: types.CodeType) -> bool:
     return {"autograd", "grad"} <= set(code.co_names) or any(
-        _calls_autograd_grad(c) for c in code.co_consts if isinstance(c, types.CodeType))
+        _code_calls_grad(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def _names(code: types.CodeType) -> set:
+    return set(code.co_names).union(*(_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
 
 @torch.library.custom_op("pipeline::user_detach", mutates_args=())

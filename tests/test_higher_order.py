@@ -111,3 +111,30 @@ def test_switching_a_submodule_or_the_default_dtype_compiles_again():
         torch.set_default_dtype(saved)
     assert pipeline.compile_stats(cm).recompilations == 2
 
+
+def _energy_and_forces(energy_of, positions):
+    energy = energy_of(positions).sum()
+    return energy, -torch.autograd.grad(energy, positions, create_graph=True)[0]
+
+
+class PotentialThroughAHelper(Potential):
+    """autograd.grad called from a module-level helper, not in forward's own code."""
+
+    def forward(self, positions):
+        return _energy_and_forces(lambda p: self.out(F.silu(self.hidden(torch.tanh(self.embed(p))))),
+                                  positions.requires_grad_(True))
+
+
+def test_autograd_grad_in_a_helper_is_found():
+    from pipeline.grad_capture import differentiates_inside
+    assert differentiates_inside(PotentialThroughAHelper()) and not differentiates_inside(nn.Linear(2, 2))
+    model = PotentialThroughAHelper()
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["torch"], fallback="raise")
+    positions, target = torch.randn(7, 3), torch.randn(7, 3)
+    e_ref, f_ref, _ = train_step(eager, positions, target)
+    e, f, _ = train_step(cm, positions, target)
+    assert torch.equal(f, f_ref) and torch.equal(e, e_ref)
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
