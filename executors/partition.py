@@ -127,7 +127,8 @@ def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> fx.Node:
     `fuse_by_partitions`: it checks every region for cycles (none: see above) and makes its code."""
     members, sub = set(nodes), fx.Graph()
     inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
-    bodies = [x for x in inputs if _is_subgraph(gm, x)]  # a higher-order op's body goes in with it, not as an input
+    bodies = [x for x in inputs if x.op == "get_attr"  # a higher-order op's body (cond's) goes in with it, not as input
+              and isinstance(operator.attrgetter(x.target)(gm), fx.GraphModule)]
     inputs = [x for x in inputs if x not in bodies]
     env = {x: sub.get_attr(x.target) for x in bodies}
     env.update({x: sub.placeholder(x.name, type_expr=x.type) for x in inputs})  # in order of first use
@@ -146,15 +147,9 @@ def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> fx.Node:
             n.replace_all_uses_with(gm.graph.call_function(operator.getitem, (call, i)), propagate_meta=True)
     for n in reversed(nodes):
         gm.graph.erase_node(n)
-    for x in bodies:
-        if not x.users:
-            gm.graph.erase_node(x)
+    for x in [b for b in bodies if not b.users]:
+        gm.graph.erase_node(x)
     return call
-
-
-def _is_subgraph(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """A get_attr naming a graph (the body of a higher-order op such as cond), not a constant."""
-    return node.op == "get_attr" and isinstance(operator.attrgetter(node.target)(gm), fx.GraphModule)
 
 
 def _rename_in_order(gm: fx.GraphModule) -> list[tuple[str, str]]:

@@ -71,15 +71,12 @@ def graph_key(gm, example_inputs, state) -> str:
 
 
 def graph_code(gm) -> list[str]:
-    """The code of the captured graph and of every graph under it: the bodies of higher-order ops
-    (checkpoint, an autograd.Function's forward and backward, cond's branches) are submodules that
-    the top graph's code only names. Any other submodule's code cannot be read: `Uncacheable`."""
-    parts = []
+    """The code of the captured graph and of every graph under it (the bodies of higher-order ops: checkpoint,
+    an autograd.Function's backward, cond's branches), which the top graph's code only names."""
     for name, sub in gm.named_modules():
         if not isinstance(sub, torch.fx.GraphModule):
             raise Uncacheable(f"the captured graph holds a {type(sub).__qualname__} ({name}) whose code is not a graph")
-        parts.append(f"graph {name or '<root>'}\n{sub.graph.python_code(root_module='self').src}")  # `.code` compiles
-    return parts
+    return [f"graph {name}\n{sub.graph.python_code(root_module='self').src}" for name, sub in gm.named_modules()]
 
 
 def global_modes() -> str:
@@ -95,17 +92,12 @@ def global_modes() -> str:
             f"default_dtype={torch.get_default_dtype()} matmul={matmul}")
 
 
-_CACHE_CONTROL = {"enable_autograd_cache", "bundled_autograd_cache", "force_non_lazy_backward_lowering",
-                  "enable_remote_autograd_cache", "bypass_autograd_cache_key", "force_autograd_cache",
-                  "strict_autograd_cache"}  # how AOTAutograd's cache runs, which `warm_start` sets itself
-
-
 def lowering_config() -> str:
-    """AOTAutograd's config (`torch._functorch.config`) but its cache's switches: `donated_buffer` alone decides
+    """AOTAutograd's config but its cache's switches (which `warm_start` sets): `donated_buffer` alone decides
     whether a backward may overwrite its saved tensors, which a second `backward(retain_graph=True)` reads again."""
     from torch._functorch import config
-    items = sorted((k, v) for k, v in config.save_config_portable().items() if k not in _CACHE_CONTROL)
-    text = repr(items)
+    text = repr(sorted((k, v) for k, v in config.save_config_portable().items() if "autograd_cache" not in k
+                       and k not in ("force_non_lazy_backward_lowering", "bypass_autograd_cache_key")))
     if " at 0x" in text:
         raise Uncacheable("torch._functorch.config holds an object with no stable identity (a custom pass?)")
     return text

@@ -21,13 +21,10 @@ def differentiates_inside(model_or_fn) -> bool:
     """Whether the forward code calls `autograd.grad`: a scan of the code objects (each module's forward,
     or the function) for the attribute `grad` next to `autograd`, following the module-level functions
     and the methods of the module's class they name, a few calls deep (a helper computing forces)."""
-    if isinstance(model_or_fn, torch.nn.Module):
-        starts = [(type(m).forward, type(m)) for m in model_or_fn.modules()
-                  if isinstance(getattr(type(m), "forward", None), types.FunctionType)]
-    else:
-        starts = [(model_or_fn, None)]
+    modules = model_or_fn.modules() if isinstance(model_or_fn, torch.nn.Module) else ()
+    starts = [(type(m).forward, type(m)) for m in modules if isinstance(getattr(type(m), "forward", None), types.FunctionType)]
     seen: set = set()
-    return any(_calls_autograd_grad(fn, cls, seen) for fn, cls in starts)
+    return any(_calls_autograd_grad(fn, cls, seen) for fn, cls in starts or [(model_or_fn, None)])
 
 
 def _calls_autograd_grad(fn, cls, seen: set, depth: int = 0) -> bool:
@@ -35,18 +32,10 @@ def _calls_autograd_grad(fn, cls, seen: set, depth: int = 0) -> bool:
     if code is None or code in seen or depth > 3 or (depth and fn.__module__.split(".")[0] == "torch"):
         return False
     seen.add(code)
-    if _code_calls_grad(code):
-        return True
-    for name in _names(code):
-        called = scope.get(name) if isinstance(scope.get(name), types.FunctionType) else getattr(cls, name, None)
-        if isinstance(called, types.FunctionType) and _calls_autograd_grad(called, cls, seen, depth + 1):
-            return True
-    return False
-
-
-def _code_calls_grad(code: types.CodeType) -> bool:
-    return {"autograd", "grad"} <= set(code.co_names) or any(
-        _code_calls_grad(c) for c in code.co_consts if isinstance(c, types.CodeType))
+    names = _names(code)
+    called = [scope[n] if isinstance(scope.get(n), types.FunctionType) else getattr(cls, n, None) for n in names]
+    return {"autograd", "grad"} <= names or any(
+        _calls_autograd_grad(f, cls, seen, depth + 1) for f in called if isinstance(f, types.FunctionType))
 
 
 def _names(code: types.CodeType) -> set:
