@@ -1,7 +1,6 @@
-"""Decomposition node by node: an op is broken into simpler ops where it stands, the rest of the graph
-untouched. `decompose_node` traces the op's decomposition on the node's fake inputs with `make_fx`, for
-the dispatcher to splice in; `decompose_graph` does it for every op a decomposition table covers
-(Inductor's regions: docs/executors.md, "inductor")."""
+"""Decomposition node by node: an op is split into simpler ops where it stands, the rest of the graph untouched.
+`decompose_node` traces an op's decomposition on its fake inputs (`make_fx`) for the dispatcher to splice in;
+`decompose_graph` does so for every op a table covers (Inductor's regions: docs/executors.md, "inductor")."""
 
 import contextlib
 import copy
@@ -32,8 +31,7 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
     """The decomposition of `node` as a graph over its tensor/SymInt inputs, or None if it has none (or
     it declines, or only reproduces the op). With `table`, traced through that table recursively, as
     `make_fx(decomposition_table=table)` would; without, through its registered decomposition, one level."""
-    fn = node.target if table is not None else decomposition_of(node.target)
-    if fn is None:
+    if (fn := node.target if table is not None else decomposition_of(node.target)) is None:
         return None
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
@@ -161,9 +159,8 @@ def _retarget(node: fx.Node, sub: fx.GraphModule) -> bool:
 
 
 def _signature(node: fx.Node) -> tuple:
-    """What a traced decomposition depends on: the op, each input's metadata and which argument
-    slots hold the same input (a trace of `lerp(x, x, w)` binds both to one placeholder), and the
-    constants (floats by repr: 0.0 and -0.0 hash alike)."""
+    """What a traced decomposition depends on: the op, each input's metadata, which argument slots share an input
+    (tracing `lerp(x, x, w)` binds both to one placeholder), and constants (floats by repr: 0.0 and -0.0 hash alike)."""
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     key: list = [node.target, str(spec)]
     first_slot: dict = {}

@@ -65,9 +65,8 @@ def _assign_node(graph, node, executors, fallback, result, depth) -> bool:
 def _all_parts_claimed(sub: fx.GraphModule, executors, depth) -> bool:
     """Whether every op of a decomposition is claimed, directly or through its own decomposition."""
     for n in sub.graph.nodes:
-        if n.op != "call_function" or n.target is operator.getitem or is_symbolic_glue(n.target):
-            continue
-        if any(ex.claims(n) for ex in executors):
+        if (n.op != "call_function" or n.target is operator.getitem or is_symbolic_glue(n.target)
+                or any(ex.claims(n) for ex in executors)):
             continue
         deeper = decompose_node(n) if depth < MAX_DECOMPOSITION_DEPTH else None
         if deeper is None or not _all_parts_claimed(deeper, executors, depth + 1):

@@ -14,8 +14,7 @@ from ir import node_value
 
 from .claims import Checker, ClaimTable
 
-aten = torch.ops.aten
-prims = torch.ops.prims
+aten, prims = torch.ops.aten, torch.ops.prims
 OPS: dict = {}
 CLAIMS = ClaimTable()
 NO_NVFUSER_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.float64, torch.complex64, torch.complex128}
@@ -77,15 +76,13 @@ def _translate(fd, node: fx.Node, env):
 
     if node.target is operator.getitem:
         return env[node.args[0]][node.args[1]]
-    fn = OPS.get(node.target)
-    if fn is None:
+    if (fn := OPS.get(node.target)) is None:
         raise NotImplementedError(f"nvfuser: no translation for {node.target}")
     args = [arg(a) for a in node.args]
     kwargs = {k: arg(v) for k, v in node.kwargs.items()}
     if node.target not in _LAYOUTOPS:  # nvFuser computes in fp32: give math ops fp32 operands
         args = [_float(fd, a) for a in args]
-    result = fn(fd, node, *args, **kwargs)
-    want = node_value(node)
+    result, want = fn(fd, node, *args, **kwargs), node_value(node)
     if isinstance(want, torch.Tensor) and not isinstance(result, (tuple, list)) and result.dtype() != _nv(want.dtype):
         result = fd.ops.cast(result, _nv(want.dtype))
     return result
@@ -125,12 +122,11 @@ for _overload, _name in _UNARY.items():
     _op(_overload)(lambda fd, node, x, _n=_name: getattr(fd.ops, _n)(x))
 
 _BINARY = {aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "truediv", aten.div.Scalar: "truediv",
-           aten.maximum.default: "maximum", aten.minimum.default: "minimum",
-           aten.pow.Tensor_Tensor: "pow", aten.pow.Scalar: "pow",
-           aten.eq.Tensor: "eq", aten.eq.Scalar: "eq", aten.ne.Tensor: "ne", aten.ne.Scalar: "ne",
-           aten.lt.Tensor: "lt", aten.lt.Scalar: "lt", aten.le.Tensor: "le", aten.le.Scalar: "le",
-           aten.gt.Tensor: "gt", aten.gt.Scalar: "gt", aten.ge.Tensor: "ge", aten.ge.Scalar: "ge",
-           aten.logical_and.default: "logical_and", aten.logical_or.default: "logical_or"}
+           aten.maximum.default: "maximum", aten.minimum.default: "minimum", aten.pow.Tensor_Tensor: "pow",
+           aten.pow.Scalar: "pow", aten.eq.Tensor: "eq", aten.eq.Scalar: "eq", aten.ne.Tensor: "ne",
+           aten.ne.Scalar: "ne", aten.lt.Tensor: "lt", aten.lt.Scalar: "lt", aten.le.Tensor: "le",
+           aten.le.Scalar: "le", aten.gt.Tensor: "gt", aten.gt.Scalar: "gt", aten.ge.Tensor: "ge",
+           aten.ge.Scalar: "ge", aten.logical_and.default: "logical_and", aten.logical_or.default: "logical_or"}
 for _overload, _name in _BINARY.items():
     _op(_overload)(lambda fd, node, a, b, _n=_name: getattr(fd.ops, _n)(a, b))
 
@@ -261,15 +257,13 @@ def _log_softmax(fd, node, x, dim, half_to_float):
 
 @_op(aten._softmax_backward_data.default)
 def _softmax_backward(fd, node, grad, y, dim, input_dtype):
-    dim = _dims(dim, _rank(node))
     gy = fd.ops.mul(grad, y)
-    return fd.ops.sub(gy, fd.ops.mul(y, fd.ops.sum(gy, dim, True)))
+    return fd.ops.sub(gy, fd.ops.mul(y, fd.ops.sum(gy, _dims(dim, _rank(node)), True)))
 
 
 @_op(aten._log_softmax_backward_data.default)
 def _log_softmax_backward(fd, node, grad, y, dim, input_dtype):
-    dim = _dims(dim, _rank(node))
-    return fd.ops.sub(grad, fd.ops.mul(fd.ops.exp(y), fd.ops.sum(grad, dim, True)))
+    return fd.ops.sub(grad, fd.ops.mul(fd.ops.exp(y), fd.ops.sum(grad, _dims(dim, _rank(node)), True)))
 
 
 _op(aten.view.default, aten._unsafe_view.default, aten.reshape.default)(
@@ -281,8 +275,7 @@ _op(aten.t.default)(lambda fd, node, x: fd.ops.permute(x, [1, 0]) if _rank(node)
 @_op(aten.transpose.int)
 def _transpose(fd, node, x, d0, d1):
     rank = _rank(node)
-    order = list(range(rank))
-    d0, d1 = d0 % rank, d1 % rank
+    order, d0, d1 = list(range(rank)), d0 % rank, d1 % rank
     order[d0], order[d1] = order[d1], order[d0]
     return fd.ops.permute(x, order)
 

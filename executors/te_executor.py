@@ -118,9 +118,8 @@ def _transposed_fp8(t: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """t [m, k] cast to E4M3 with the forward's scale, transposed [k, m], as bytes: in plain torch ops, so that the
     partitioner can recompute t in the backward (an RMSNorm output from the residual kept anyway) and Inductor fuses
     the cast into it, instead of keeping t or its fp8 copy from forward to backward (what torchao's float8 does too)."""
-    e4m3 = torch.float8_e4m3fn
-    limit = torch.finfo(e4m3).max
-    return (t.float() / scale_inv).clamp(-limit, limit).to(e4m3).view(torch.uint8).t().contiguous()
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    return (t.float() / scale_inv).clamp(-limit, limit).to(torch.float8_e4m3fn).view(torch.uint8).t().contiguous()
 
 
 def _backward(ctx, grads):
@@ -151,8 +150,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
     claims_table = _CLAIMS
 
     def __init__(self, fp8: bool = False, recipe=None, group_linears: bool | None = None):
-        self.use_fp8 = fp8
-        self.recipe = recipe
+        self.use_fp8, self.recipe = fp8, recipe
         self.grouping = group_linears  # None: the default, which depends on fp8 (see options)
         self.scaling: DelayedScalingState | None = None  # per jitted model, see for_model
         self.state_device: str | None = None  # where `_allocate_state` put what the ops keep
@@ -210,8 +208,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
             for suffix in ("fp8_scale", "fp8_amax_history"):
                 if "._extra_state." in f".{key}" and key.endswith("_" + suffix):
                     module, attr = key.rsplit("_extra_state.", 1)
-                    name = module + attr[:-len(suffix) - 1]
-                    by_name.setdefault(name, {})[suffix] = value
+                    by_name.setdefault(module + attr[:-len(suffix) - 1], {})[suffix] = value
                     taken.add(key)
         for name, tensors in by_name.items():
             if len(tensors) != 2:

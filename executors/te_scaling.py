@@ -31,17 +31,14 @@ def current_quantizer(name: str, columnwise: bool = True):
 def recipe_formats(recipe) -> tuple[str, str]:
     """(forward, backward) fp8 format of a TE recipe: HYBRID is E4M3 forward, E5M2 backward."""
     fmt = getattr(getattr(recipe, "fp8_format", None), "name", "HYBRID")
-    if fmt == "HYBRID":
-        return "e4m3", "e5m2"
-    if fmt == "E4M3":
-        return "e4m3", "e4m3"
-    raise NotImplementedError(f"te.fp8: fp8_format {fmt} is not supported; use Format.HYBRID or Format.E4M3")
+    if fmt not in _FORMATS:
+        raise NotImplementedError(f"te.fp8: fp8_format {fmt} is not supported; use Format.HYBRID or Format.E4M3")
+    return _FORMATS[fmt]
 
 
 class _Stack:
-    """amax histories [L, n] and scales [n] of the n tensors of one direction, in chunks: linears that
-    register later get a new chunk, and allocated buffers never move (recorded CUDA graphs and the
-    quantizers point at them). A linear's columns always lie in one chunk."""
+    """amax histories [L, n] and scales [n] of one direction's n tensors, in chunks: later linears get a new chunk, so
+    buffers never move (recorded CUDA graphs and quantizers point at them); a linear's columns lie in one chunk."""
 
     def __init__(self, per_linear: int, fmt: str, columnwise: bool):
         self.per_linear, self.fmt, self.columnwise = per_linear, fmt, columnwise
@@ -206,6 +203,7 @@ class DelayedScalingState:
 
 
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+_FORMATS = {"HYBRID": ("e4m3", "e5m2"), "E4M3": ("e4m3", "e4m3")}  # fp8_format -> (forward, backward) format
 
 
 def _update_reference(history: torch.Tensor, scale: torch.Tensor, recipe, fp8_max: float) -> None:

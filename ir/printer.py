@@ -12,13 +12,8 @@ import torch.fx as fx
 
 from .trace import Trace, describe_value, node_value
 
-_HEADER = """\
-import operator
-import torch
-from torch import device, inf, nan
-aten = torch.ops.aten
-prims = torch.ops.prims
-"""
+_HEADER = "\n".join(["import operator", "import torch", "from torch import device, inf, nan",
+                     "aten = torch.ops.aten", "prims = torch.ops.prims", ""])
 
 
 def python_source(trace: Trace) -> str:
@@ -137,8 +132,7 @@ def _callable_name(fn) -> str:
     if module and module.startswith("torch"):
         # torch functions often live in private modules but are exposed publicly (torch._C._nn.gelu).
         for public in ("torch", "torch.nn.functional", "torch.Tensor"):
-            obj = eval(public, {"torch": torch})
-            if getattr(obj, getattr(fn, "__name__", ""), None) is fn:
+            if getattr(eval(public, {"torch": torch}), getattr(fn, "__name__", ""), None) is fn:
                 return f"{public}.{fn.__name__}"
     return f"{module}.{qualname}"
 

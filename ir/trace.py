@@ -54,8 +54,7 @@ class InputSpec:
 
 @dataclasses.dataclass(frozen=True)
 class OutputSpec:
-    """What a graph output is (`OutputKind`). `target` names what it belongs to: the input a
-    mutation is written back to, the input a gradient is for."""
+    """What a graph output is (`OutputKind`); `target`: the input a mutation is written to, or a gradient is for."""
     kind: OutputKind
     target: Optional[str] = None
 
@@ -76,9 +75,8 @@ class Trace:
 
     __slots__ = ("_gm", "name", "level", "stage", "inputs", "outputs", "provenance")
 
-    def __init__(self, gm: fx.GraphModule, *, name: str, level: str,
-                 inputs: Sequence[InputSpec], outputs: Sequence[OutputSpec],
-                 provenance: Sequence[Step] = (), stage: Optional[Stage] = None):
+    def __init__(self, gm: fx.GraphModule, *, name: str, level: str, inputs: Sequence[InputSpec],
+                 outputs: Sequence[OutputSpec], provenance: Sequence[Step] = (), stage: Optional[Stage] = None):
         if level not in ("torch", "aten"):
             raise ValueError(f"Trace level must be 'torch' or 'aten', got {level!r}")
         if stage is not None and stage not in tuple(Stage):
@@ -128,10 +126,9 @@ class Trace:
                level: Optional[str] = None, inputs: Optional[Sequence[InputSpec]] = None,
                outputs: Optional[Sequence[OutputSpec]] = None) -> "Trace":
         """A new trace made from this one by the stage or pass `by` (of the same `stage`)."""
-        return Trace(gm, name=name or self.name, level=level or self.level, stage=self.stage,
-                     inputs=self.inputs if inputs is None else inputs,
-                     outputs=self.outputs if outputs is None else outputs,
-                     provenance=self.provenance + (Step(by, seconds),))
+        inputs, outputs = self.inputs if inputs is None else inputs, self.outputs if outputs is None else outputs
+        return Trace(gm, name=name or self.name, level=level or self.level, stage=self.stage, inputs=inputs,
+                     outputs=outputs, provenance=self.provenance + (Step(by, seconds),))
 
     def __call__(self, *args):
         from .interpret import interpret
@@ -185,16 +182,13 @@ def fake_like(like: torch.Tensor, shape, *, stride=None, dtype=None, device=None
 def describe_value(v: Any) -> str:
     """`f32[8, 16]` for a tensor, a tuple of those for tuples, the type otherwise."""
     if isinstance(v, torch.Tensor):
-        shape = ", ".join(str(s) for s in v.shape)
-        dev = "" if v.device.type == "cpu" else f" {v.device}"
+        shape, dev = ", ".join(str(s) for s in v.shape), "" if v.device.type == "cpu" else f" {v.device}"
         return f"{_DTYPE_ABBREV.get(v.dtype, str(v.dtype).replace('torch.', ''))}[{shape}]{dev}"
     if isinstance(v, (tuple, list)):
         return "(" + ", ".join(describe_value(x) for x in v) + ")"
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return f"{type(v).__name__} {v}"
-    if v is None:
-        return "None"
-    return type(v).__name__
+    return "None" if v is None else type(v).__name__
 
 
 _DTYPE_ABBREV = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",

@@ -67,8 +67,7 @@ def _check_outputs(before: Trace, after: Trace, who: str, dtypes_may_change: boo
         raise TraceError(f"{who}: trace {after.name!r} has {len(new)} outputs, its input trace had {len(old)}; "
                          f"a pass must keep every output (AOTAutograd and the caller read them by position)")
     for i, (a, b) in enumerate(zip(old, new)):
-        va = node_value(a) if isinstance(a, fx.Node) else a
-        vb = node_value(b) if isinstance(b, fx.Node) else b
+        va, vb = (node_value(x) if isinstance(x, fx.Node) else x for x in (a, b))
         if not isinstance(va, torch.Tensor):
             continue
         if not isinstance(vb, torch.Tensor):
@@ -109,9 +108,8 @@ def refresh_values(changed: list[fx.Node]) -> None:
     env: dict[fx.Node, Any] = {}
     for node in changed[0].graph.nodes:
         env[node] = node_value(node)
-        if node in dirty or node.op not in ("call_function", "call_method"):
-            continue
-        if not any(a in dirty for a in node.all_input_nodes) or not _derivable(node, env[node]):
+        if (node in dirty or node.op not in ("call_function", "call_method")
+                or not any(a in dirty for a in node.all_input_nodes) or not _derivable(node, env[node])):
             continue
         try:
             derived = _run(node, env)
@@ -129,11 +127,10 @@ def _derivable(node: fx.Node, claimed) -> bool:
     ops (running one again would change the fake input it shares with another node), calls of
     submodules, or values with data-dependent sizes (each run makes new symbols)."""
     target, op = node.target, node.op
-    if op not in ("call_function", "call_method") or isinstance(target, torch._ops.HigherOrderOperator):
-        return False
-    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
-        return False
-    if (op == "call_method" and str(target).endswith("_")) or (op == "call_function" and isinstance(target, str)):
+    if (op not in ("call_function", "call_method") or isinstance(target, torch._ops.HigherOrderOperator)
+            or (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable)
+            or (op == "call_method" and str(target).endswith("_"))
+            or (op == "call_function" and isinstance(target, str))):
         return False
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
     try:
@@ -147,9 +144,8 @@ class _CannotRun(Exception):
 
 
 def _run(node: fx.Node, env: dict):
-    """The node's op on the fake values of its inputs, in their fake mode. Captured graphs may hold
-    fake values of more than one mode (Dynamo's, the parameters' own) and real constants: those
-    are re-made in the mode of the first fake input."""
+    """The node's op on its inputs' fake values, in their fake mode. Captured graphs may hold fake values of several
+    modes (Dynamo's, the parameters' own) and real constants: those are re-made in the first fake input's mode."""
     import contextlib
 
     from torch._subclasses.fake_tensor import FakeTensor

@@ -11,8 +11,7 @@ from ir import Trace
 
 
 def _state(cm):
-    state = getattr(cm, "_state", None)
-    if state is None:
+    if (state := getattr(cm, "_state", None)) is None:
         raise TypeError(f"expected a model or function returned by pipeline.jit, got {type(cm).__name__}")
     return state
 
@@ -54,8 +53,7 @@ def regions(cm) -> RegionTable:
 
 
 def last_traces(cm) -> list[Trace]:
-    """The traces of every stage for the graphs compiled by the latest call that compiled, in
-    pipeline order (captured first, execution traces last)."""
+    """Each stage's traces of the latest compiling call's graphs, in pipeline order (captured first, execution last)."""
     records = _state(cm).history.records
     if not records:
         raise RuntimeError("nothing compiled yet: call the jitted model first")
@@ -70,8 +68,7 @@ def _race_note(r, twins: int) -> str:
 
 
 def _fallback_mark(reason) -> str:
-    """" (declined)" when the executors before this one chose not to take the region, " (fallback)"
-    when one of them failed to compile it, "" otherwise."""
+    """" (declined)" when earlier executors declined the region, " (fallback)" when one of them failed, else ""."""
     if not reason:
         return ""
     return " (fallback)" if "failed to compile" in reason or "wrong result" in reason else " (declined)"
@@ -127,17 +124,15 @@ def compile_stats(cm) -> CompileStats:
             if k != "total":
                 seconds[k] += v
     return CompileStats(
-        graphs=len(history.records), graph_breaks=list(history.graph_breaks),
-        recompilations=history.recompiles, seconds=dict(seconds),
-        recompile_reasons=[r.recompile_reason for r in history.records if r.recompile_reason],
+        graphs=len(history.records), graph_breaks=list(history.graph_breaks), recompilations=history.recompiles,
+        seconds=dict(seconds), recompile_reasons=[r.recompile_reason for r in history.records if r.recompile_reason],
         eager_fallbacks={r.graph_id: r.eager_fallback for r in history.records if r.eager_fallback},
         op_fallbacks=[(r.graph_id, op, why) for r in history.records for op, why in r.fallbacks],
         region_fallbacks=[(g.id, g.fallback_reason) for r in history.records for g in r.regions if g.fallback_reason],
         decomposed=dict(Counter(op for r in history.records for op in r.decomposed)),
-        cache={r.graph_id: r.cache for r in history.records if r.cache},
+        cache={r.graph_id: r.cache for r in history.records if r.cache}, fallbacks=list(history.fallbacks),
         cache_notes=[(r.graph_id, n) for r in history.records for n in r.cache_notes],
-        cuda_graphs={f"{r.graph_id} {stage}": v for r in history.records for stage, v in r.cuda_graphs.items()},
-        fallbacks=list(history.fallbacks))
+        cuda_graphs={f"{r.graph_id} {stage}": v for r in history.records for stage, v in r.cuda_graphs.items()})
 
 
 @dataclasses.dataclass

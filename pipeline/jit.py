@@ -73,8 +73,7 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         cuda_graphs: bool = False, fallback: str = "warn", autotune: bool = False):
     """Compiles `model_or_fn` (an `nn.Module` or a function).
 
-    executors: executor objects from `executors` or their names, by priority; ops nobody claims run
-        on the `torch` executor (eager ATen kernels).
+    executors: `executors` objects or their names, by priority; ops nobody claims run on `torch` (eager ATen kernels).
     transforms: trace passes (`transforms.trace_pass`, `mixed_precision`, ...), each running where it declares, and
         model-changing transforms (`quantize`, `fsdp`, `materialize`), applied to the module now.
     fullgraph: raise `GraphBreakError` instead of splitting the graph at a graph break.
@@ -165,8 +164,7 @@ def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], d
     if model_transforms and differentiates_inside(model_or_fn):
         raise NotImplementedError(f"{model_transforms[0].name} does not combine yet with models that "
                                   f"call torch.autograd.grad in forward")
-    replaced = {}
-    from_file = [p for p in preparations if p.checkpoint]
+    replaced, from_file = {}, [p for p in preparations if p.checkpoint]
     if from_file and model_transforms:  # transforms read only the slices they keep, straight from the file
         from safetensors import safe_open
         with safe_open(from_file[0].checkpoint, framework="pt") as reader:
@@ -240,10 +238,9 @@ def _call(runner, state: CompileState, args, kwargs):
 
 
 def _generalize_on_shape_change(history: CallHistory, args, kwargs) -> None:
-    """Automatic dynamic, in one step: at the first call whose input shapes differ from the first
-    call's, every dim of a changed input becomes dynamic except a floating-point tensor's last (its
-    feature size) — so a new batch size and later a new sequence length cost one recompilation,
-    not one each. Tensors nested in containers are left to Dynamo's own automatic dynamic."""
+    """Automatic dynamic, in one step: at the first call whose input shapes differ from the first's, every dim of a
+    changed input becomes dynamic except a float tensor's last (its feature size), so a new batch size, then a new
+    sequence length, cost one recompilation, not one each. Tensors in containers are left to Dynamo's own."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]  # cheap: every call
     shapes = tuple(tuple(t.shape) for t in tensors)
     if history.first_shapes is None:

@@ -53,8 +53,7 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
         CompiledRegion.profiling = False
     if chrome_trace:
         prof.export_chrome_trace(chrome_trace)
-    by_label = {e.key: e for e in prof.key_averages()}
-    result = ProfileTable()
+    by_label, result = {e.key: e for e in prof.key_averages()}, ProfileTable()
     for r in regions(cm):
         if (event := by_label.get(f"region{r.id}:{r.executor}")) is None:
             continue

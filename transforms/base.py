@@ -1,5 +1,4 @@
-"""Trace passes: pure `Trace -> Trace` functions that say where in the pipeline they run (`STAGES`;
-docs/passes.md, "Writing a pass")."""
+"""Trace passes: pure `Trace -> Trace` functions naming their stage (`STAGES`; docs/passes.md, "Writing a pass")."""
 
 import dataclasses
 from typing import Callable

@@ -35,8 +35,7 @@ def causal_attention() -> TracePass:
 
 
 def causal_attention_in(trace: Trace) -> Trace:
-    """`trace` with every SDPA whose mask is the causal one computed from constants made causal by
-    flag; `trace` itself if there is none."""
+    """`trace` with every SDPA whose constant mask is the causal one made causal by flag; `trace` itself if none."""
     gm = trace.editable()
     decided: dict[tuple, bool] = {}  # one mask is often shared by every layer: computed once per shape
 
@@ -49,8 +48,7 @@ def causal_attention_in(trace: Trace) -> Trace:
             decided[seen] = _equals_causal(_constant(gm, mask))
         return decided[seen]
 
-    done = rewrite(gm.graph, [(MASKED_ATTENTION, _causal_by_flag, is_causal_mask)])
-    if not done:
+    if not (done := rewrite(gm.graph, [(MASKED_ATTENTION, _causal_by_flag, is_causal_mask)])):
         return trace
     erase_unread([m["mask"] for m in done])
     gm.graph.lint()

@@ -13,10 +13,8 @@ from .model_transform import ModelTransform
 class Chain(ModelTransform):
     def __init__(self, first: ModelTransform, then: ModelTransform):
         self.first, self.then = first, then
-        self.name = f"{first.name}→{then.name}"
-        self.trainable = first.trainable and then.trainable
-        self.extra = first.extra
-        self.rowwise = first.rowwise and then.rowwise
+        self.name, self.extra = f"{first.name}→{then.name}", first.extra
+        self.trainable, self.rowwise = first.trainable and then.trainable, first.rowwise and then.rowwise
 
     def parts(self) -> list[ModelTransform]:
         return [p for t in (self.first, self.then) for p in (t.parts() if isinstance(t, Chain) else [t])]
@@ -73,8 +71,7 @@ class Chain(ModelTransform):
         return self.then.row_shard(original) if self.first.rowwise else None
 
     def from_rows(self, rows, original):
-        extra = {s: t for s, t in rows.items() if s}
-        mid = self.first.encode(rows[""], extra or None)
+        mid = self.first.encode(rows[""], {s: t for s, t in rows.items() if s} or None)
         mids = self._mids(original)
         return {f"{s}.{s2}": t2 for s, t in mid.items() for s2, t2 in self.then.from_rows({"": t}, mids[s]).items()}
 

@@ -58,8 +58,7 @@ def _reload_saved_inputs(gm: fx.GraphModule, trace: Trace, offloaded) -> None:
         fake = node_value(node)
         if not offloaded(fake) or not node.users:
             continue
-        first_use = min(node.users, key=order.__getitem__)
-        with gm.graph.inserting_before(first_use):
+        with gm.graph.inserting_before(min(node.users, key=order.__getitem__)):
             reload = gm.graph.call_function(aten._to_copy.default, (node,), {
                 "device": fake.device, "non_blocking": fake.device.type == "cuda"})
         reload.meta["val"] = fake

@@ -30,8 +30,7 @@ def group_linears_in(trace: Trace) -> Trace:
     """`trace` with every group of 2+ linears on the same input (same weight dtype, all with or all
     without bias) computed as one linear; `trace` itself if there is none."""
     gm = trace.editable()
-    groups = _groups(gm.graph)
-    if not groups:
+    if not (groups := _groups(gm.graph)):
         return trace
     # a group's arguments are read again when it is joined: an earlier group's outputs may feed it
     pieces = [piece for group in groups for piece in _join(gm.graph, [match(LINEAR, m.root) for m in group])]
@@ -64,8 +63,7 @@ def _groups(graph: fx.Graph) -> list[list[Match]]:
 
 
 def _join(graph: fx.Graph, group: list[Match]) -> list[fx.Node]:
-    x, bias, weights = group[0]["x"], group[0]["b"], [m["w"] for m in group]
-    nodes = [m.root for m in group]
+    x, bias, weights, nodes = group[0]["x"], group[0]["b"], [m["w"] for m in group], [m.root for m in group]
     widths = [node_value(w).shape[0] for w in weights]
     y0, w0 = node_value(nodes[0]), node_value(weights[0])
     with graph.inserting_before(nodes[0]):

@@ -48,8 +48,7 @@ def grouped_kv_attention(devices: Sequence[str] = ("cuda",)) -> TracePass:
 
 
 def grouped_kv_attention_in(trace: Trace, devices: Sequence[str] = ("cuda",)) -> Trace:
-    """`trace` with every SDPA on k/v repeated per query head reading the grouped k/v instead;
-    `trace` itself if there is none."""
+    """`trace` with every SDPA on k/v repeated per query head reading grouped k/v instead; `trace` itself if none."""
     gm = trace.editable()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     writes = [order[n] for n in gm.graph.nodes if writes_into(n)]

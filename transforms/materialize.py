@@ -16,13 +16,11 @@ class Materialize:
     """Applied to the module before capture (see `pipeline.jit`)."""
 
     def __init__(self, checkpoint: Optional[str] = None, device="cpu"):
-        self.checkpoint = checkpoint
-        self.device = torch.device(device)
+        self.checkpoint, self.device = checkpoint, torch.device(device)
         self.name = "materialize" + (f"({checkpoint!r})" if checkpoint else "()")
 
     def prepare_module(self, model: torch.nn.Module, skip: frozenset = frozenset()) -> None:
-        """Gives every meta tensor of `model` storage and values; `skip`: state-dict keys already
-        loaded (by model transforms that read their own slices)."""
+        """Gives every meta tensor of `model` storage and values; `skip`: keys model transforms loaded already."""
         on_meta = [(name, m) for name, m in model.named_modules()
                    if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
         # Without a checkpoint every module initialises itself; with one, those whose state the file

@@ -16,8 +16,7 @@ def mixed_precision(dtype: str = "bf16") -> TracePass:
     """A before-autodiff pass computing in `dtype` ("bf16" or "fp16") where autocast would."""
     if dtype not in DTYPES:
         raise ValueError(f"mixed_precision: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    low = DTYPES[dtype]
-    name = f"mixed_precision({dtype})"
+    low, name = DTYPES[dtype], f"mixed_precision({dtype})"
 
     def apply(trace: Trace) -> Trace:
         gm = trace.editable()
@@ -25,8 +24,7 @@ def mixed_precision(dtype: str = "bf16") -> TracePass:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         device = next((v.device.type for v in map(node_value, placeholders)
                        if isinstance(v, torch.Tensor) and v.is_floating_point()), "cpu")
-        first_op = next(n for n in graph.nodes if n.op != "placeholder")
-        with graph.inserting_before(first_op):
+        with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
             enter = graph.call_function(torch.amp.autocast_mode._enter_autocast, (device, low, True, None))
         enter.meta["val"] = None
         with graph.inserting_before(graph.output_node()):
@@ -40,16 +38,14 @@ def mixed_precision(dtype: str = "bf16") -> TracePass:
 
 
 def _propagate_metadata(gm, placeholders) -> None:
-    """Recomputes every node's fake value under the new autocast region, so the trace's comments
-    show the dtypes the program will really have."""
+    """Recomputes every fake value under the autocast region, so the printed trace shows the real dtypes."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     values = [node_value(n) for n in placeholders]
     modes = {id(v.fake_mode): v.fake_mode for v in values if hasattr(v, "fake_mode")}
     if len(modes) != 1 or any(v is None for v in values):
         return  # keep the captured metadata rather than mix fake modes
-    fake_mode = next(iter(modes.values()))
-    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*values)
+    FakeTensorProp(gm, mode=next(iter(modes.values()))).propagate_dont_convert_inputs(*values)
     for node in gm.graph.nodes:
         if "example_value" in node.meta and "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]

@@ -21,9 +21,8 @@ class WeightOnlyQuantization(ModelTransform):
     def __init__(self, kind: str):
         if kind not in _FORMATS:
             raise ValueError(f"quantize: kind must be one of {sorted(_FORMATS)}, got {kind!r}")
-        self.kind = kind
+        self.kind, self.name = kind, f"quantize({kind})"
         self.dtype, self.qmax = _FORMATS[kind]
-        self.name = f"quantize({kind})"
 
     def applies_to(self, module, qualname, param) -> bool:
         return isinstance(module, torch.nn.Linear) and qualname.endswith("weight") and param.is_floating_point()
