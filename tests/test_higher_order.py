@@ -34,17 +34,37 @@ def train_step(model, positions, target_forces):
     return energy, forces, loss
 
 
-@pytest.mark.parametrize("detach_features", [False, True])
-def test_force_training_matches_eager_with_torch_executor(detach_features):
-    model = Potential(detach_features)
+def _energy_and_forces(energy_of, positions):
+    energy = energy_of(positions).sum()
+    return energy, -torch.autograd.grad(energy, positions, create_graph=True)[0]
+
+
+class PotentialThroughAHelper(Potential):
+    """autograd.grad called from a module-level helper, not in forward's own code."""
+
+    def forward(self, positions):
+        return _energy_and_forces(lambda p: self.out(F.silu(self.hidden(torch.tanh(self.embed(p))))),
+                                  positions.requires_grad_(True))
+
+
+@pytest.mark.parametrize("make", [Potential, lambda: Potential(detach_features=True), PotentialThroughAHelper],
+                         ids=["plain", "detach_features", "through a helper"])
+def test_force_training_matches_eager_with_torch_executor(make):
+    model = make()
     eager = copy.deepcopy(model)
-    cm = pipeline.jit(model, executors=["torch"])
+    cm = pipeline.jit(model, executors=["torch"], fallback="raise")
     positions, target = torch.randn(7, 3), torch.randn(7, 3)
     e_ref, f_ref, loss_ref = train_step(eager, positions, target)
     e, f, loss = train_step(cm, positions, target)
     assert torch.equal(f, f_ref) and torch.equal(e, e_ref)
     for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_autograd_grad_is_found_in_forward_and_the_helpers_it_calls():
+    from pipeline.grad_capture import differentiates_inside
+    assert differentiates_inside(Potential()) and differentiates_inside(PotentialThroughAHelper())
+    assert not differentiates_inside(nn.Linear(2, 2)) and not differentiates_inside(lambda x: x.grad)
 
 
 def test_force_computation_is_an_explicit_graph_in_executor_regions():
@@ -110,31 +130,4 @@ def test_switching_a_submodule_or_the_default_dtype_compiles_again():
     finally:
         torch.set_default_dtype(saved)
     assert pipeline.compile_stats(cm).recompilations == 2
-
-
-def _energy_and_forces(energy_of, positions):
-    energy = energy_of(positions).sum()
-    return energy, -torch.autograd.grad(energy, positions, create_graph=True)[0]
-
-
-class PotentialThroughAHelper(Potential):
-    """autograd.grad called from a module-level helper, not in forward's own code."""
-
-    def forward(self, positions):
-        return _energy_and_forces(lambda p: self.out(F.silu(self.hidden(torch.tanh(self.embed(p))))),
-                                  positions.requires_grad_(True))
-
-
-def test_autograd_grad_in_a_helper_is_found():
-    from pipeline.grad_capture import differentiates_inside
-    assert differentiates_inside(PotentialThroughAHelper()) and not differentiates_inside(nn.Linear(2, 2))
-    model = PotentialThroughAHelper()
-    eager = copy.deepcopy(model)
-    cm = pipeline.jit(model, executors=["torch"], fallback="raise")
-    positions, target = torch.randn(7, 3), torch.randn(7, 3)
-    e_ref, f_ref, _ = train_step(eager, positions, target)
-    e, f, _ = train_step(cm, positions, target)
-    assert torch.equal(f, f_ref) and torch.equal(e, e_ref)
-    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
 
