@@ -29,7 +29,7 @@ def differentiates_inside(model_or_fn) -> bool:
 
 def _calls_autograd_grad(fn, cls, seen: set, depth: int = 0) -> bool:
     code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    if code is None or code in seen or depth > 3 or (depth and fn.__module__.split(".")[0] == "torch"):
+    if code is None or code in seen or depth > 3 or (depth and (fn.__module__ or "").split(".")[0] == "torch"):
         return False
     seen.add(code)
     names = _names(code)
