@@ -9,6 +9,7 @@ is all `post_compile` needs: what a cache entry stores to rebuild it (`from_meta
 
 from typing import Callable, Optional
 
+import torch
 import torch.fx as fx
 
 from ir import Trace
@@ -61,6 +62,49 @@ class ModelTransformInputs(RuntimeWrapper):
         return cls(replaced, list(metadata["qualnames"]))
 
 
+class SeparateMutatedInputs(RuntimeWrapper):
+    """Dynamo guards that no two inputs are the same tensor, not that they do not overlap: a graph compiled for
+    separate tensors that writes one in place then reads stale values through an overlapping view of it, as under
+    torch.compile. Each call checks that an input the graph writes shares no memory with another input, and raises
+    naming both. Metadata: the user inputs' positions and which of them the graph writes."""
+
+    users: list
+    written: list
+
+    def pre_compile(self, trace, example_inputs):
+        nodes = trace.placeholders()
+        self.users = [i for i, s in enumerate(trace.inputs) if s.kind == "user_input"
+                      and isinstance(example_inputs[i], torch.Tensor)]
+        self.written = [i for i in self.users if getattr(nodes[i].meta.get("val"), "_version", 0)]  # traced in place
+        return trace, example_inputs
+
+    def post_compile(self, fn):
+        if not self.written:
+            return fn
+        pairs = [(i, j) for i in self.written for j in self.users if j != i]
+
+        def run(*args):
+            for i, j in pairs:
+                if _overlap(args[i], args[j]):
+                    raise RuntimeError(f"pipeline: inputs {i} and {j} share memory and the compiled graph writes input {i} "
+                                       f"in place; it was compiled for separate tensors. Pass a .clone() of one of them.")
+            return fn(*args)
+        return run
+
+    def metadata(self) -> dict:
+        return {"users": self.users, "written": self.written}
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' bytes intersect (a conservative span test: strided views may interleave)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    spans = [(t.storage_offset() * t.element_size(),
+              (t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size())
+             for t in (a, b)]
+    return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
+
+
 class BoxedStage(RuntimeWrapper):
     """A compiled stage that frees each input after its last use (`boxed`); `stored`: its cached code. No metadata."""
 
@@ -72,7 +116,7 @@ class BoxedStage(RuntimeWrapper):
 
 
 def graph_wrappers(state) -> list[RuntimeWrapper]:
-    return [ModelTransformInputs(state.config.replaced)] if state.config.replaced else []
+    return [SeparateMutatedInputs()] + ([ModelTransformInputs(state.config.replaced)] if state.config.replaced else [])
 
 
 def pre_compile_all(wrappers: list[RuntimeWrapper], trace: Trace, example_inputs: list, record) -> tuple[Trace, list]:
