@@ -11,11 +11,10 @@ from ir import node_value
 
 
 def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int], may_alias: set[str] = frozenset()) -> None:
-    """Sets `meta["donated"]` on a region's placeholder when the stage input it receives is donated,
-    this region is the last to read it or any tensor sharing its memory, and no other input of this
-    region shares that memory (docs/executors.md, `inductor`). Memory is told apart by the fake
-    values' storages; outputs of regions run by executors in `may_alias` (whose kernels may return an
-    input where the trace has a copy) count as sharing the memory of all of that region's tensor inputs."""
+    """Sets `meta["donated"]` on a region's placeholder when the stage input it receives is donated, this region is
+    the last to read it or any tensor sharing its memory, and no other input of this region shares that memory
+    (docs/executors.md, `inductor`). Memory is told apart by fake storages; outputs of regions of executors in
+    `may_alias` (whose kernels may return an input where the trace copies) share all their region's inputs'."""
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     candidates = {inputs[i] for i in donated if i < len(inputs)}
     order = {n: k for k, n in enumerate(gm.graph.nodes)}

@@ -364,9 +364,8 @@ def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.Gra
         return joint_graph_passes(decomposed)
 
 
-# Higher-order ops Inductor gets wrong inside a region: it returns None for `with_effects`' effect token, and
-# on torch 2.13's CPU the backward of a `nested_compile_region` called twice gives wrong gradients (as under
-# torch.compile itself; tests/test_subgraph_ops.py). They run on `torch`.
+# Run on `torch`: Inductor returns None for `with_effects`' token, and (torch 2.13, CPU) wrong gradients for a
+# `nested_compile_region` called twice, as torch.compile does (tests/test_subgraph_ops.py).
 _REFUSED_HIGHER_ORDER_OPS = (torch.ops.higher_order.with_effects, torch.ops.higher_order.invoke_subgraph)
 _DECOMPOSE_BEFORE_PARTITION = (torch.ops.aten.detach.default, torch.ops.aten._log_softmax.default,
                                torch.ops.aten._log_softmax_backward_data.default, torch.ops.aten._softmax.default,

@@ -1,11 +1,9 @@
-"""Groups assigned ops into cycle-free regions, one fx submodule per region.
-
-Run once per executor, in priority order: an operator executor gets one region per op; a fusion
-executor's ops are grouped by *barrier depth* — how many ops of other executors (or their regions)
-still lie, on the longest path, between the op and the graph's outputs. Along any edge the depth never
-grows and it drops at each foreign op, so no path leaves a group and comes back: every group is a
-valid region, and the regions form no cycle. An op joins the group of its earliest consumer, except
-work that only feeds the outputs (`_outputs_as_early_as_possible`; docs/design.md, "Dispatch")."""
+"""Groups assigned ops into cycle-free regions, one fx submodule per region. Run once per executor, in priority order:
+an operator executor gets one region per op; a fusion executor's ops are grouped by *barrier depth*, how many ops
+of other executors (or their regions) still lie, on the longest path, between the op and the graph's outputs. Along
+any edge the depth never grows and it drops at each foreign op, so no path leaves a group and comes back: every
+group is a valid region, and the regions form no cycle. An op joins its earliest consumer's group, unless it only
+feeds outputs."""
 
 import math
 import operator

@@ -57,15 +57,12 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
              artifacts: Optional[dict[str, RegionArtifact]] = None,
              donated: Sequence[int] = (), on_fallback: Optional[Callable[[str], None]] = None,
              autotune: Optional[Callable[[float], None]] = None, partitioned: Optional[Assignment] = None) -> Execution:
-    """Assigns, partitions and compiles `trace`; see the module docstring.
-
-    `artifacts` (region key -> `RegionArtifact`): the compiled-artifact cache, loaded from and filled.
-    `donated`: indices of the trace's inputs nothing reads after this stage (AOTAutograd's `bw_donated_idxs`:
-    saved activations in a backward), marked by `mark_donated_inputs`.
-    `on_fallback(message)`: told when a region's wrong first result moves it to the next executor.
-    `autotune(seconds)`, when given, races regions more than one of `executors` takes (autotune.py); it is told
-    what measuring took once a choice is in `artifacts`. `partitioned`: `trace`'s module is an execution trace's
-    before its regions were built (`unbuilt`: a warm start, `pipeline/warm_start.py`); this was its assignment."""
+    """Assigns, partitions and compiles `trace` (see the module docstring). `artifacts` (region key -> `RegionArtifact`):
+    the compiled-artifact cache, loaded from and filled. `donated`: indices of inputs nothing reads after this stage
+    (AOTAutograd's `bw_donated_idxs`), marked by `mark_donated_inputs`. `on_fallback(message)`: told when a region's
+    wrong first result moves it to the next executor. `autotune(seconds)`, when given, races regions more than one of
+    `executors` takes (autotune.py), told what measuring took once a choice is in `artifacts`. `partitioned`: `trace`'s
+    module is an execution trace's before its regions were built (`unbuilt`: a warm start); this was its assignment."""
     gm = trace.editable() if partitioned is None else trace.module
     steps: list[Step] = []
 

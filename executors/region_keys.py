@@ -1,7 +1,6 @@
-"""Cache keys of regions: what a region's compiled code depends on, as a hash.
-
-`structure_key` finds identical regions (the same layer one level down, compiled once) and binds a
-cached artifact to the region graph it came from; `region_key` is the artifact cache's key."""
+"""Cache keys of regions, hashes of what a region's compiled code depends on: `structure_key` finds identical regions
+(the same layer one level down, compiled once) and binds a cached artifact to its region graph; `region_key` is the
+artifact cache's key."""
 
 import hashlib
 import operator

@@ -160,10 +160,9 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return self.use_fp8 if self.grouping is None else self.grouping
 
     def options(self, *, group_linears: bool | None = ...) -> "TEExecutor":
-        """This executor with options. `group_linears=True`: linears reading the same input (q/k/v, gate/up) become
-        one TE GEMM on their stacked weights (`transforms.group_linears`), sharing one fp8 scaling state, saved under
-        the first member's module. `False`: one TE GEMM per linear. `None` (the default): grouped in fp8 only, where
-        the shared cast pays (docs/executors.md, "Grouping", has the bf16 measurement). Not given: kept as it is."""
+        """This executor with options. `group_linears=True`: linears reading one input (q/k/v, gate/up) become one TE
+        GEMM on their stacked weights (`transforms.group_linears`), one fp8 scaling state saved under the first's module;
+        `False`: one GEMM per linear; `None` (default): in fp8 only, where the shared cast pays (docs/executors.md)."""
         group_linears = self.grouping if group_linears is ... else group_linears
         return TEExecutor(fp8=self.use_fp8, recipe=self.recipe, group_linears=group_linears)
 

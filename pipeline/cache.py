@@ -71,8 +71,7 @@ def graph_key(gm, example_inputs, state) -> str:
 
 
 def graph_code(gm) -> list[str]:
-    """The code of the captured graph and of every graph under it (the bodies of higher-order ops: checkpoint,
-    an autograd.Function's backward, cond's branches), which the top graph's code only names."""
+    """The code of the captured graph and of the bodies of its higher-order ops (checkpoint, cond), which it only names."""
     for name, sub in gm.named_modules():
         if not isinstance(sub, torch.fx.GraphModule):
             raise Uncacheable(f"the captured graph holds a {type(sub).__qualname__} ({name}) whose code is not a graph")

@@ -55,15 +55,19 @@ def load(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None, st
             if MODEL + qualname not in ckpt:
                 absent.append(qualname)
                 continue
+            if (shape := ckpt.shape(MODEL + qualname)) != tuple(r.original.shape):  # the rows read would broadcast
+                raise RuntimeError(f"load: size mismatch for {qualname}: {path} holds shape {shape}, "
+                                   f"the shape in current model is {tuple(r.original.shape)}")
             start, stop = r.transform.row_shard(r.original)
             part = {s: ckpt.read(MODEL + k, start, stop) for s, k in keys.items() if MODEL + k in ckpt}
             with torch.no_grad():
                 for suffix, value in r.transform.from_rows(part, r.original).items():
                     r.tensors[suffix].copy_(value)
         state = {k[len(MODEL):]: ckpt.read(k) for k in ckpt.keys() if k.startswith(MODEL) and k not in owned}
-        result = cm.load_state_dict(state, strict=strict and not absent)
-        if strict and absent:
-            raise RuntimeError(f"load: {path} lacks {absent[:5]}{' ...' if len(absent) > 5 else ''}")
+        result = cm.load_state_dict(state, strict=False)  # the row-sharded ones were read above
+        result = type(result)(absent + [k for k in result.missing_keys if k not in sharded], result.unexpected_keys)
+        if strict and (result.missing_keys or result.unexpected_keys):
+            raise RuntimeError(f"load: {path} lacks {result.missing_keys[:5]}, has unexpected {result.unexpected_keys[:5]}")
         if optimizer is not None:
             _load_optimizer(cm, optimizer, ckpt, json.loads(ckpt.metadata["optimizer"]))
     return result
@@ -112,6 +116,11 @@ class Checkpoint(contextlib.ExitStack):
 
     def __contains__(self, key: str) -> bool:
         return key in self.whole or key in self.parts
+
+    def shape(self, key: str) -> tuple:
+        if key in self.whole:
+            return tuple(self.whole[key].get_slice(key).get_shape())
+        return (max(p[1] for p in self.parts[key]), *self.parts[key][0][2].get_slice(key).get_shape()[1:])
 
     def read(self, key: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
         """Rows [start, stop) of tensor `key` (all of it by default)."""

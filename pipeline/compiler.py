@@ -1,7 +1,6 @@
-"""The Dynamo backend: for each captured graph, capture → runtime wrappers' pre_compile → passes →
-lowering and autodiff (AOTAutograd; joint passes before its partitioner) → passes → dispatch to the
-executors (cached regions loaded) → wrappers' post_compile. Every stage's output is an `ir.Trace` in the
-graph's `GraphRecord`; a graph whose lowering fails runs in eager, with the reason recorded."""
+"""The Dynamo backend: for each captured graph, capture → runtime wrappers' pre_compile → passes → lowering and
+autodiff (AOTAutograd; joint passes before its partitioner) → passes → dispatch to the executors (cached regions
+loaded) → wrappers' post_compile. Each stage's output is an `ir.Trace` in the graph's `GraphRecord`."""
 
 import contextlib
 import functools

@@ -12,10 +12,9 @@ from ir import InputKind, Stage, Trace
 
 def stage_callable(fn: Callable, trace: Trace, example_inputs: Sequence, why_not: Optional[str], *, stage: str,
                    record) -> Callable:
-    """`fn` (a boxed stage running `trace`) recorded as a CUDA graph unless `why_not` (`why_not_recordable`),
-    the decision in `record.cuda_graphs[stage]`. A backward is not recorded when its forward is not (its
-    saved activations would not stay put); one that cannot be recorded tells the graph tree that it ran,
-    or the tree would wait for it forever and never start a new step."""
+    """`fn` (a boxed stage running `trace`) recorded as a CUDA graph unless `why_not` (`why_not_recordable`), the
+    decision in `record.cuda_graphs[stage]`. A backward is not recorded when its forward is not (its saved activations
+    would not stay put); one not recorded tells the graph tree that it ran, or the tree would wait for it forever."""
     forward = record.cuda_graphs.get("forward")
     if stage == "backward" and why_not is None and forward is not None and forward != "on":
         why_not = "its forward is not recorded"

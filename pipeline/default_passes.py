@@ -3,8 +3,8 @@
     print(pipeline.default_passes())                           # what runs besides yours
     pipeline.jit(model, transforms=[mixed_precision("bf16"), pipeline.without("grouped_kv_attention")])
 
-Each runs after the user's passes of its stage (`save_policy` just before the partitioner); one that
-raises is skipped, the reason in `compile_stats` (`TracePass.optional`)."""
+Each runs after the user's passes of its stage (`save_policy` just before the partitioner); one that raises is
+skipped, the reason in `compile_stats` (`TracePass.optional`)."""
 
 import dataclasses
 

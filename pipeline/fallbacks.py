@@ -1,7 +1,6 @@
 """Loud fallbacks: every time part of a model runs otherwise than compiled as asked, one `PipelineFallbackWarning`,
 a line in `compile_stats(cm).fallbacks` and the log; with `jit(..., fallback="raise")` a `PipelineFallbackError`
-instead (docs/design.md, "Invariants"). Not an error by default: a model that trains in eager should still train
-when one graph uses something no executor handles yet."""
+(docs/design.md, "Invariants"). Not an error by default: a model should train when one graph does not compile."""
 
 import warnings
 

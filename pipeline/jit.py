@@ -1,6 +1,7 @@
 """`pipeline.jit`: compiles a module or function through the pipeline; the result behaves like what it
 wraps (`JittedModule`, `JittedFunction`), and calling it runs the compiled graphs."""
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -91,6 +92,9 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
         raise TypeError(f"pipeline.jit needs an nn.Module or a function, got {type(model_or_fn).__name__}")
     if isinstance(model_or_fn, (JittedModule, JittedFunction)):
         raise TypeError("this model is already jitted; jit the original instead")
+    if moved := [p for p in getattr(model_or_fn, "parameters", list)() if hasattr(p, "pipeline_replaced_by")]:
+        raise ValueError(f"this model's parameters were replaced by an earlier jit's {moved[0].pipeline_replaced_by} and"
+                         " live in that jitted model now: use that one, or jit a fresh copy of the model")
     if dynamic not in (None, True, False):
         raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
     for name, value in (("fullgraph", fullgraph), ("cache", cache), ("cuda_graphs", cuda_graphs), ("autotune", autotune)):
@@ -120,10 +124,9 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
 
 
 def _own_recompile_budget() -> dict:
-    """Each jit its own Dynamo cache entries and recompile limit. Dynamo keys compiled code on the code object
-    (`Model.forward`, shared by every instance of a class) and guards it on the backend; without this, the 9th jitted
-    instance of one class would hit the recompile limit (8) and run uncompiled. torch 2.11 lacks the option: there the
-    limit is raised by one per jit (counted in `_jits`) and a hit limit is still reported (`_DynamoGiveUps`)."""
+    """Each jit its own Dynamo cache entries and recompile limit: Dynamo keys code on the code object (`Model.forward`,
+    shared by a class's instances), so the 9th jitted instance of a class would hit the limit (8) and run uncompiled.
+    torch 2.11 lacks the option: the limit grows by one per jit (`_jits`); a hit limit is reported (`_DynamoGiveUps`)."""
     global _jits
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         return {"isolate_recompiles": True}
@@ -328,10 +331,14 @@ class JittedModule(torch.nn.Module):
             r.original = torch.empty(r.original.shape, dtype=dtype, device="meta")
         return self
 
-    def state_dict(self, *args, **kwargs):
-        """The original model's state dict (keys and full shapes), whatever transforms did."""
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The original model's state dict (keys and full shapes), whatever transforms did; under `prefix` (a parent
+        module's state dict holding this one) and into `destination` as torch's."""
         config = self._state.config
-        return model_state.state_dict(self._original.state_dict(*args, **kwargs), config.replaced, config.executors)
+        own = model_state.state_dict(self._original.state_dict(keep_vars=keep_vars), config.replaced, config.executors)
+        out = destination if destination is not None else collections.OrderedDict()
+        out.update((prefix + k, v) for k, v in own.items())
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if taken := set().union(*(e.load_extra_state(state_dict) for e in self._state.config.executors)):

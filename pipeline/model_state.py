@@ -54,7 +54,8 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
                    for s, t in encoded.items()}
         replaced[qualname] = Replaced(transform, tensors, torch.empty_like(param, device="meta"), module_prefix, attr)
         stand_in = torch.zeros(1, dtype=param.dtype, device=target).expand(param.shape)
-        setattr(module, attr, torch.nn.Parameter(stand_in, requires_grad=False))
+        setattr(module, attr, stand_in := torch.nn.Parameter(stand_in, requires_grad=False))
+        stand_in.pipeline_replaced_by = transform.name  # `jit` refuses a model holding stand-ins
     if casts:
         warnings.warn(f"materialize: loading the checkpoint: {casts_message(casts)}", PipelineWarning, stacklevel=2)
     return replaced
@@ -63,7 +64,9 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
 def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:
     """qualname -> (module prefix, module, attribute, parameter, transform) for every parameter a
     transform replaces; raises if a chain does not compose or a transform refuses a parameter."""
-    claimed, refused = {}, []
+    claimed, refused, names = {}, [], {}
+    for qualname, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(qualname)
     for module_prefix, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
             qualname = f"{module_prefix}.{attr}" if module_prefix else attr
@@ -71,6 +74,9 @@ def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:
                 continue
             if (why := transform.refuses(module, param)) is not None:
                 refused.append((transform, f"{qualname} ({why})"))
+            if len(shared := names[id(param)]) > 1:
+                raise ValueError(f"{transform.name}: {', '.join(shared)} are one parameter (tied weights or a shared "
+                                 f"submodule), which it would untie: untie them or leave them out of {transform.name}")
             claimed[qualname] = (module_prefix, module, attr, param, transform)
     if refused:
         names = [r for _, r in refused]
@@ -153,12 +159,15 @@ def load_state_dict(model: torch.nn.Module, state: dict, replaced: dict[str, Rep
         extra = {s: rest.pop(k) for s, k in r.extra_keys().items() if k in rest}
         if qualname not in rest:
             continue
+        if rest[qualname].shape != r.original.shape:  # as torch.nn.Module's: copy_ would broadcast it
+            raise RuntimeError(f"load_state_dict: size mismatch for {qualname}: copying a param with shape "
+                               f"{tuple(rest[qualname].shape)}, the shape in current model is {tuple(r.original.shape)}")
         encoded = r.transform.encode(rest.pop(qualname).to(r.tensors[next(iter(r.tensors))].device), extra or None)
         with torch.no_grad():
             for suffix, tensor in encoded.items():
                 r.tensors[suffix].copy_(tensor)
     result = model.load_state_dict(rest, strict=False)
-    missing = [k for k in result.missing_keys if k not in replaced]
+    missing = [k for k in result.missing_keys if k not in replaced] + [q for q in replaced if q not in state]
     if strict and (missing or result.unexpected_keys):
         raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {result.unexpected_keys}")
     return torch.nn.modules.module._IncompatibleKeys(missing, result.unexpected_keys)

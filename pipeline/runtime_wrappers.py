@@ -1,11 +1,6 @@
-"""Runtime wrappers (docs/design.md, "Stages"), a chain as AOTAutograd's `CompilerWrapper`s are:
-`pre_compile` changes what is compiled, `post_compile` wraps the compiled callable, and `metadata()`
-is all `post_compile` needs: what a cache entry stores to rebuild it (`from_metadata`).
-
-    wrappers = graph_wrappers(state)
-    trace, inputs = pre_compile_all(wrappers, trace, inputs, record)    # first to last
-    fn = post_compile_all(wrappers, compiled)                           # last to first: the first is outermost
-"""
+"""Runtime wrappers (docs/design.md, "Stages"), a chain as AOTAutograd's `CompilerWrapper`s are: `pre_compile`
+changes what is compiled (first to last), `post_compile` wraps the compiled callable (the first outermost), and
+`metadata()` is all `post_compile` needs: what a cache entry stores to rebuild it (`from_metadata`)."""
 
 from typing import Callable, Optional
 
@@ -63,46 +58,42 @@ class ModelTransformInputs(RuntimeWrapper):
 
 
 class SeparateMutatedInputs(RuntimeWrapper):
-    """Dynamo guards that no two inputs are the same tensor, not that they do not overlap: a graph compiled for
-    separate tensors that writes one in place then reads stale values through an overlapping view of it, as under
-    torch.compile. Each call checks that an input the graph writes shares no memory with another input, and raises
-    naming both. Metadata: the user inputs' positions and which of them the graph writes."""
-
-    users: list
-    written: list
-
+    """Dynamo guards that no two inputs are one tensor, not that they do not overlap: a graph compiled for separate
+    tensors that writes one in place reads stale values through an overlapping view of it (as torch.compile does).
+    Each call checks that an input the graph writes shares no bytes with another; metadata: the positions checked."""
     def pre_compile(self, trace, example_inputs):
-        nodes = trace.placeholders()
-        self.users = [i for i, s in enumerate(trace.inputs) if s.kind == "user_input"
-                      and isinstance(example_inputs[i], torch.Tensor)]
-        self.written = [i for i in self.users if getattr(nodes[i].meta.get("val"), "_version", 0)]  # traced in place
+        self.users = {i: s.name for i, s in enumerate(trace.inputs)
+                      if s.kind == "user_input" and isinstance(example_inputs[i], torch.Tensor)}
+        nodes = trace.placeholders()  # a fake input written while Dynamo traced has a new version
+        self.written = [i for i in self.users if getattr(nodes[i].meta.get("val"), "_version", 0)]
         return trace, example_inputs
 
     def post_compile(self, fn):
-        if not self.written:
-            return fn
         pairs = [(i, j) for i in self.written for j in self.users if j != i]
 
         def run(*args):
             for i, j in pairs:
                 if _overlap(args[i], args[j]):
-                    raise RuntimeError(f"pipeline: inputs {i} and {j} share memory and the compiled graph writes input {i} "
-                                       f"in place; it was compiled for separate tensors. Pass a .clone() of one of them.")
+                    raise RuntimeError(f"pipeline: inputs {self.users[i]} and {self.users[j]} share memory, and the graph, "
+                                       "compiled for separate tensors, writes the first in place: pass a .clone()")
             return fn(*args)
-        return run
+        return run if pairs else fn
 
     def metadata(self) -> dict:
-        return {"users": self.users, "written": self.written}
+        return {"users": list(self.users.items()), "written": self.written}
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' bytes intersect (a conservative span test: strided views may interleave)."""
+    """Whether two tensors' byte spans intersect (conservative: strided views may interleave without touching)."""
     if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    spans = [(t.storage_offset() * t.element_size(),
-              (t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size())
-             for t in (a, b)]
-    return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
+    (a0, a1), (b0, b1) = (_byte_span(t) for t in (a, b))
+    return a0 < b1 and b0 < a1
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
 
 
 class BoxedStage(RuntimeWrapper):

@@ -16,11 +16,10 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """Tags the fp32 values derived from upcast half-precision ones for recomputation; returns how
-    many were tagged. Derived: its full-size inputs all derive from one upcast (others may be scalars
-    or smaller, broadcast: `x - amax`), or it is a view or copy of at least half of one that does (the
-    shifted logits `x[:, :-1]`). Left alone: the forward's outputs, values already tagged, random ops,
-    and graphs with `torch.utils.checkpoint` regions (the user's choice)."""
+    """Tags the fp32 values derived from upcast half-precision ones for recomputation; returns how many. Derived:
+    its full-size inputs all derive from one upcast (others may be smaller, broadcast: `x - amax`), or it is a view
+    or copy of at least half of one that does (the shifted logits `x[:, :-1]`). Left alone: the forward's outputs,
+    values already tagged, random ops, graphs with `torch.utils.checkpoint` regions (the user's choice)."""
     forward = output_ancestors(joint, num_fwd_outputs)
     root: dict[fx.Node, fx.Node] = {}  # derived node -> the upcast it is a full-size function of
     for node in joint.graph.nodes:

@@ -1,8 +1,7 @@
-"""A stage's graph as bytes, for the warm start (docs/cache.md): its nodes in order, each made again by
-`create_node` as it is read (arguments found by pickle's memo; GraphPickler's node records cost two pytree
-maps a node); a plain fake tensor as its sizes, strides, offset, dtype, device and storage id (tensors that
-shared memory share it again: donation reads that); no debug metadata. What is stored is an execution
-trace's module before its regions were built (`executors.plan.unbuilt`): identical regions share one."""
+"""A stage's graph as bytes, for the warm start (docs/cache.md): its nodes in order, each made again by `create_node`
+as it is read (arguments found by pickle's memo, not GraphPickler's costly node records); a fake tensor as its sizes,
+strides, offset, dtype, device and storage id (shared memory is shared again: donation reads it); no debug metadata.
+It stores an execution trace's module before its regions were built (`plan.unbuilt`): identical regions share one."""
 
 import contextlib
 import operator

@@ -95,6 +95,9 @@ def recording_safe_open(requested: list):
             requested.append((self.key, index))
             return self.inner[index]
 
+        def get_shape(self):
+            return self.inner.get_shape()
+
     class SafeOpen:
         def __init__(self, *args, **kwargs):
             self.cm = real_open(*args, **kwargs)

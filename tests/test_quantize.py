@@ -167,3 +167,46 @@ def test_train_on_a_quantized_model_is_refused(llama_and_tokens):
     with pytest.raises(RuntimeError, match=r"changed by \['quantize\(int8\)'\], whose tensors are frozen"):
         cm.train()
     cm.eval()  # allowed
+
+
+def small_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3)).eval()
+
+
+def test_a_parameter_under_two_names_is_refused():
+    """Tied weights or a shared submodule: replaced name by name they would come apart (one ran on a zero stand-in)."""
+    model = small_mlp()
+    model.append(model[0])  # 0 and 3 are one Linear
+    with pytest.raises(ValueError, match=r"0.weight, 3.weight are one parameter"):
+        pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+
+
+def test_a_model_whose_parameters_moved_into_a_jitted_model_is_refused():
+    model = small_mlp()
+    pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    with pytest.raises(ValueError, match="replaced by an earlier jit's quantize"):
+        pipeline.jit(model, executors=["torch"])
+
+
+def test_load_state_dict_names_missing_and_wrongly_shaped_weights():
+    cm = pipeline.jit(small_mlp(), executors=["torch"], transforms=[quantize("int8")])
+    good = small_mlp().state_dict()
+    lacking = {k: v for k, v in good.items() if k != "0.weight"}
+    with pytest.raises(RuntimeError, match=r"missing keys \['0.weight'\]"):
+        cm.load_state_dict(lacking)
+    assert cm.load_state_dict(lacking, strict=False).missing_keys == ["0.weight"]
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0.weight.*\(1, 8\).*\(6, 8\)"):
+        cm.load_state_dict({**good, "0.weight": torch.randn(1, 8)})  # copy_ would broadcast the row
+
+
+def test_the_state_dict_under_a_parent_module_holds_the_weights():
+    model = small_mlp()
+    reference = copy.deepcopy(model).state_dict()
+    parent = torch.nn.Module()
+    parent.net = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    state = parent.state_dict()
+    assert state.keys() >= {f"net.{k}" for k in reference}
+    for key, value in reference.items():
+        torch.testing.assert_close(state[f"net.{key}"], value, rtol=0.02, atol=0.01, msg=key)
+    assert parent.net.state_dict(prefix="p.").keys() == {f"p.{k}" for k in parent.net.state_dict()}

@@ -253,6 +253,20 @@ def test_a_jitted_step_calling_backward_does_not_capture_the_pipeline():
     assert len(stats.graph_breaks) == 1 and "backward" in stats.graph_breaks[0]
 
 
+def test_overlapping_views_of_an_input_the_graph_writes_are_an_error():
+    """Compiled for separate tensors, the graph would read b's stale value after writing a (as torch.compile does)."""
+    def bump_then_read(a, b):
+        a.add_(1)
+        return b * 2
+    cm = pipeline.jit(bump_then_read, executors=["torch"])
+    cm(torch.zeros(4), torch.zeros(4))
+    base = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="share memory"):
+        cm(base[:4], base[2:6])
+    base, ref = torch.zeros(8), torch.zeros(8)  # views that do not overlap are separate tensors
+    assert torch.equal(cm(base[:4], base[4:]), bump_then_read(ref[:4], ref[4:])) and torch.equal(base, ref)
+
+
 @pytest.mark.allow_fallback
 def test_a_call_that_compiles_nothing_says_so():
     sin = torch._dynamo.disable(torch.sin)  # Dynamo does not trace it: the whole call runs in eager
