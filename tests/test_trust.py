@@ -250,7 +250,9 @@ def test_a_jitted_step_calling_backward_does_not_capture_the_pipeline():
         assert torch.equal(p.grad, q.grad)
     stats = pipeline.compile_stats(cm)
     assert stats.graphs == 2 and not stats.fallbacks and not stats.eager_fallbacks
-    assert len(stats.graph_breaks) == 1 and "backward" in stats.graph_breaks[0]
+    # besides the break at backward(), Dynamo may look into torch's own lazy backward compile (a generator in
+    # `inspect`, where the backward compiles at its first call: cache off, or torch 2.11): noted, not ours
+    assert "backward" in stats.graph_breaks[0] and set(stats.graph_breaks[1:]) <= {"Attempt to trace generator"}
 
 
 def test_overlapping_views_of_an_input_the_graph_writes_are_an_error():
