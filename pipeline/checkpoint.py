@@ -149,7 +149,7 @@ def _save_optimizer(cm, optimizer, tensors, rows) -> str:
         held = param_rows.get(id(params[index]))
         for name, value in entries.items():
             key = f"{OPTIMIZER}{index}.{name}"
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if isinstance(value, torch.Tensor) and (value.dim() > 0 or name != "step"):  # a 0-dim param's exp_avg too
                 if held is not None:
                     if value.shape != params[index].shape:  # only states shaped like their shard split by rows
                         raise NotImplementedError(
@@ -174,7 +174,7 @@ def _load_optimizer(cm, optimizer, ckpt: Checkpoint, saved) -> None:
         param = params[int(index)]
         held = param_rows.get(id(param))
         value = ckpt.read(key, *held) if held is not None else ckpt.read(key)
-        if value.dim() == param.dim() and value.shape[0] < param.shape[0] and held is not None:  # pad the shard
+        if held is not None and value.dim() == param.dim() and value.shape[0] < param.shape[0]:  # pad the shard
             value = torch.cat([value, value.new_zeros((param.shape[0] - value.shape[0], *value.shape[1:]))])
         if value.dim() == param.dim() and value.shape != param.shape:
             raise ValueError(f"load: optimizer state {name} of parameter {index} is {tuple(value.shape)} in "

@@ -82,3 +82,32 @@ def test_zero_dim_state_saves_and_loads(tmp_path, convbn):
     for (name, a), (_, b) in zip(convbn.state_dict().items(), other.state_dict().items()):
         assert torch.equal(a, b), name
     assert other.state_dict()["bn.num_batches_tracked"].item() == 1
+
+
+def test_optimizer_state_of_a_zero_dim_parameter_resumes(tmp_path):
+    """AdamW keeps exp_avg of a 0-dim parameter as a 0-dim tensor: saved as a tensor, not a number."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.temperature = torch.nn.Linear(4, 2), torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.linear(x) / self.temperature
+
+    def step(cm, opt, x):
+        cm(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(3, 4)
+    cm = pipeline.jit(model, executors=["torch"])
+    opt = torch.optim.AdamW(cm.parameters(), lr=0.1)
+    step(cm, opt, x)
+    pipeline.save(cm, str(tmp_path / "s.safetensors"), optimizer=opt)
+    resumed = copy.deepcopy(model)
+    resumed_cm = pipeline.jit(resumed, executors=["torch"])
+    resumed_opt = torch.optim.AdamW(resumed_cm.parameters(), lr=0.1)
+    pipeline.load(resumed_cm, str(tmp_path / "s.safetensors"), optimizer=resumed_opt)
+    step(cm, opt, x)
+    step(resumed_cm, resumed_opt, x)
+    assert torch.equal(resumed.temperature, model.temperature) and torch.equal(resumed.linear.weight, model.linear.weight)
