@@ -78,17 +78,15 @@ def graph_code(gm) -> list[str]:
     return [f"graph {name}\n{sub.graph.python_code(root_module='self').src}" for name, sub in gm.named_modules()]
 
 
-def global_modes() -> str:
-    """The global state AOTAutograd lowers under: the same graph traced with and without grad is an
-    inference graph or a forward + backward, and factory ops without a dtype take the default one
-    (a warm start loads the lowering, so all of it is in the key)."""
-    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
-    matmul = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
-              torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-              torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
-    return (f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()} "
-            f"deterministic={torch.are_deterministic_algorithms_enabled()} autocast={autocast} "
-            f"default_dtype={torch.get_default_dtype()} matmul={matmul}")
+def global_modes() -> tuple:
+    """The global state AOTAutograd lowers under (a tuple: `GradCapture` keys every call on it): grad and inference
+    mode (an inference graph or a forward + backward), deterministic algorithms, autocast, the default dtype (of
+    factory ops without one), the matmul precision flags. A warm start loads the lowering, so all of it is in the key."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(),
+            tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
+            torch.get_default_dtype(), torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
 
 
 def lowering_config() -> str:

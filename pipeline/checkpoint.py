@@ -55,9 +55,7 @@ def load(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None, st
             if MODEL + qualname not in ckpt:
                 absent.append(qualname)
                 continue
-            if (shape := ckpt.shape(MODEL + qualname)) != tuple(r.original.shape):  # the rows read would broadcast
-                raise RuntimeError(f"load: size mismatch for {qualname}: {path} holds shape {shape}, "
-                                   f"the shape in current model is {tuple(r.original.shape)}")
+            model_state.check_shape(f"load {path}", qualname, ckpt.shape(MODEL + qualname), r)
             start, stop = r.transform.row_shard(r.original)
             part = {s: ckpt.read(MODEL + k, start, stop) for s, k in keys.items() if MODEL + k in ckpt}
             with torch.no_grad():

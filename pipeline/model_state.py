@@ -152,6 +152,13 @@ def state_dict(original_state: dict, replaced: dict[str, Replaced], executors=()
     return out
 
 
+def check_shape(where: str, qualname: str, shape, r: Replaced) -> None:
+    """A loaded value must have its parameter's full shape, as torch.nn.Module's loads check: `copy_` would broadcast."""
+    if tuple(shape) != tuple(r.original.shape):
+        raise RuntimeError(f"{where}: size mismatch for {qualname}: copying a param with shape {tuple(shape)}, "
+                           f"the shape in current model is {tuple(r.original.shape)}")
+
+
 def load_state_dict(model: torch.nn.Module, state: dict, replaced: dict[str, Replaced], strict: bool):
     """Loads `state` (original keys) into the transformed parameters and the rest of the model."""
     rest = dict(state)
@@ -159,9 +166,7 @@ def load_state_dict(model: torch.nn.Module, state: dict, replaced: dict[str, Rep
         extra = {s: rest.pop(k) for s, k in r.extra_keys().items() if k in rest}
         if qualname not in rest:
             continue
-        if rest[qualname].shape != r.original.shape:  # as torch.nn.Module's: copy_ would broadcast it
-            raise RuntimeError(f"load_state_dict: size mismatch for {qualname}: copying a param with shape "
-                               f"{tuple(rest[qualname].shape)}, the shape in current model is {tuple(r.original.shape)}")
+        check_shape("load_state_dict", qualname, rest[qualname].shape, r)
         encoded = r.transform.encode(rest.pop(qualname).to(r.tensors[next(iter(r.tensors))].device), extra or None)
         with torch.no_grad():
             for suffix, tensor in encoded.items():
