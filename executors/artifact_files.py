@@ -22,9 +22,8 @@ def cache_on() -> bool:
 
 
 def artifact_files_dir(name: str) -> str | None:
-    """`<root>/<name>` (made 0700) for an executor's files that a cached artifact loads (Inductor's
-    kernels): only this user can write there, so what was checked before loading stays as checked.
-    None while the cache is off; then an executor uses its library's own directories."""
+    """`<root>/<name>` (made 0700) for an executor's files that a cached artifact loads (Inductor's kernels): only this
+    user can write there, so what was checked before loading stays as checked. None while the cache is off."""
     if not _artifact_files_root:
         return None
     path = os.path.join(_artifact_files_root[0], name)
@@ -38,8 +37,7 @@ def artifact_files_dir(name: str) -> str | None:
 
 @contextlib.contextmanager
 def environ_set(name: str, value: str | None):
-    """`os.environ[name]` set to `value` (a library pointed at an executor's folder) for the duration, then
-    restored; nothing changes when `value` is None."""
+    """`os.environ[name]` set to `value` for the duration, then restored; nothing changes when `value` is None."""
     if value is None:
         yield
         return
@@ -78,8 +76,7 @@ class Skipped(Exception):
 
 
 def check_owned(path: str, st: os.stat_result, what: str, private: bool = False) -> None:
-    """Raises `Untrusted` unless `st` (of `path`) is owned by this user and not group/other-writable
-    (nor group/other-readable when `private`)."""
+    """Raises `Untrusted` unless `st` (of `path`) is ours, not group/other-writable (nor -readable if `private`)."""
     uid = os.getuid()
     if st.st_uid != uid:
         raise Untrusted(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {uid}); "
@@ -110,13 +107,11 @@ def read_file(path: str, what: str = "entry", *, private: bool = False, limit: i
             raise Skipped(f"{what} {path} is {st.st_size} bytes, over the {limit}-byte limit")
         chunks, left = [], st.st_size + 1  # one more byte: a file that grew is noticed
         while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
+            if not (chunk := os.read(fd, min(left, 1 << 24))):
                 break
             chunks.append(chunk)
             left -= len(chunk)
-        data = b"".join(chunks)
-        if len(data) > st.st_size:
+        if len(data := b"".join(chunks)) > st.st_size:
             raise Skipped(f"{what} {path} grew while it was read")
         return data
     finally:

@@ -186,8 +186,7 @@ def library_version(module: str) -> str:
 
 
 def cuda_library_missing(what: str, modules: Sequence[str], install: str) -> str | None:
-    """None when every module imports and a CUDA GPU is present; otherwise why not (an executor's
-    `unavailable_reason` for a CUDA-only library)."""
+    """An executor's `unavailable_reason` for a CUDA-only library: None when every module imports and a GPU is here."""
     for module in modules:
         try:
             importlib.import_module(module)

@@ -11,10 +11,9 @@ from .result_check import ResultCheck
 
 
 class CompiledRegion(torch.nn.Module):
-    """One region as it runs: the executor's compiled callable. Its first call is checked (`result_check.py`;
-    `PIPELINE_DEBUG=1`: every call): a wrong result is replaced by that of the next executor claiming the region
-    (`replace`), which then runs it. While `profiling` is set (`pipeline.profile`), each call is a named range
-    (`region3:inductor`) in the profiler's trace."""
+    """One region as it runs: the executor's compiled callable, its first call checked (`result_check.py`; every call
+    under `PIPELINE_DEBUG=1`): on a wrong result, the next executor claiming the region runs it (`replace`).
+    While `profiling` is set (`pipeline.profile`), each call is a named profiler range (`region3:inductor`)."""
 
     profiling = False
 

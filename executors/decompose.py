@@ -44,8 +44,7 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
         for i, v in zip(positions, inputs):
             filled[i] = v
         args, kwargs = pytree.tree_unflatten(filled, spec)
-        out = fn(*args, **kwargs)
-        if out is NotImplemented:
+        if (out := fn(*args, **kwargs)) is NotImplemented:
             raise _Declined()
         return out
 

@@ -36,8 +36,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         self.fallback_random = fallback_random
 
     def options(self, *, fallback_random: bool = False) -> "InductorExecutor":
-        """This executor with Inductor options: `fallback_random=True` runs random ops with eager's
-        kernels (docs/executors.md, "inductor")."""
+        """With `fallback_random=True`, random ops run with eager's kernels (docs/executors.md, "inductor")."""
         return InductorExecutor(fallback_random=fallback_random)
 
     def for_model(self) -> "InductorExecutor":
@@ -136,8 +135,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         from torch._inductor.output_code import CompiledFxGraphConstants
         from torch._inductor.utils import BoxedBool
 
-        own = artifact_files_dir("inductor")
-        if own is None:
+        if (own := artifact_files_dir("inductor")) is None:
             raise RuntimeError("no private directory for Inductor's kernels (the pipeline cache is off)")
         stored = pickle.loads(data)
         for rel, content in stored["files"].items():
@@ -217,8 +215,7 @@ def _isa_probe_libraries() -> set[str]:
     try:
         from torch._inductor.codecache import get_hash, get_path
         from torch._inductor.cpu_vec_isa import _get_isa_dry_compile_fingerprint, pick_vec_isa
-        isa = pick_vec_isa()
-        if not isa:
+        if not (isa := pick_vec_isa()):
             return set()
         key = get_hash(isa._avx_code.strip(), _get_isa_dry_compile_fingerprint(isa.build_arch_flags()), "code")
         so = get_path(key, "so")[2]
@@ -308,11 +305,9 @@ def _library_ops():
     """Ops Inductor runs as calls into library kernels (cuBLAS, cuDNN, flash attention) when it
     does not autotune its own templates: a region of only these and views gains nothing from it."""
     aten = torch.ops.aten
+    attention = ("flash_attention", "efficient_attention", "cudnn_attention", "flash_attention_for_cpu")
     names = ["mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"]
+             *(f"_scaled_dot_product_{kind}{end}" for kind in attention for end in ("", "_backward"))]
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 

@@ -104,8 +104,7 @@ def _inconsistent(database: str) -> str | None:
         return f"its db.csv has no header, or more than {MAX_KERNELS} kernels"
     sources = set()
     for i, row in enumerate(rows[1:]):
-        match = _ROW.fullmatch(row)
-        if match is None or match.groups() != (f"kernel_{i}", f"kernel_{i}"):
+        if (match := _ROW.fullmatch(row)) is None or match.groups() != (f"kernel_{i}", f"kernel_{i}"):
             return f"row {i + 1} of db.csv is not kernel_{i}'s"
         try:  # nvFuser does not check its writes (a full disk): each file regular, ours, not empty
             files = [read_file(os.path.join(database, f"kernel_{i}{ext}"), f"kernel_{i}{ext}") for ext in (".cu", ".cubin")]

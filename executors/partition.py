@@ -1,9 +1,8 @@
 """Groups assigned ops into cycle-free regions, one fx submodule per region. Run once per executor, in priority order:
-an operator executor gets one region per op; a fusion executor's ops are grouped by *barrier depth*, how many ops
-of other executors (or their regions) still lie, on the longest path, between the op and the graph's outputs. Along
-any edge the depth never grows and it drops at each foreign op, so no path leaves a group and comes back: every
-group is a valid region, and the regions form no cycle. An op joins its earliest consumer's group, unless it only
-feeds outputs."""
+an operator executor gets one region per op; a fusion executor's ops are grouped by *barrier depth*, how many ops of
+other executors (or their regions) still lie, on the longest path, between the op and the graph's outputs. Along any
+edge the depth never grows and drops at each foreign op, so no path leaves a group and comes back: every group is a
+valid region and the regions form no cycle. An op joins its earliest consumer's group, unless it only feeds outputs."""
 
 import math
 import operator
@@ -21,9 +20,8 @@ from .symbol_inputs import pass_symbol_inputs
 
 
 def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[str, str]]:
-    """Moves every assigned op of `gm` into a region submodule (in place), `region0`, `region1`, ... in
-    execution order, each also given the shape symbols its code names (`pass_symbol_inputs`).
-    Returns (submodule name, executor name) for each region, in that order."""
+    """Moves every assigned op of `gm` (in place) into region submodules `region0`, `region1`, ... in execution order,
+    each given the shape symbols its code names (`pass_symbol_inputs`); returns their (name, executor), in order."""
     for k, ex in enumerate(executors):
         assigned = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") == ex.name]
         if not assigned:

@@ -340,8 +340,7 @@ def _code_made(fn):
 
 
 def _isolated(example_inputs):
-    """A fresh tracing context, so an executor's compile (or load) cannot disturb the
-    AOTAutograd compilation this region is part of."""
+    """A fresh tracing context: an executor's compile (or load) cannot disturb the AOTAutograd compilation it is in."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
     fake_mode = detect_fake_mode(example_inputs)
     return tracing(TracingContext(fake_mode)) if fake_mode is not None else contextlib.nullcontext()

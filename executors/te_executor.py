@@ -24,9 +24,8 @@ from .te_scaling import DelayedScalingState, current_quantizer, delayed_state, r
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8: bool,
               scaling: int, index: int) -> list[torch.Tensor]:
-    """[y] in bf16 mode; [y, x scale_inv, W scale_inv] in fp8 mode (the backward casts x and W again with these
-    scales, in the graph: `_transposed_fp8`). `scaling`: -1 for current scaling, else the handle of a
-    `DelayedScalingState`, whose linear `index` this is."""
+    """[y] in bf16; [y, x scale_inv, W scale_inv] in fp8 (the backward casts x and W again with these, in the graph:
+    `_transposed_fp8`). `scaling`: -1 (current scaling) or a `DelayedScalingState`'s handle; `index`: its linear."""
     from transformer_engine.pytorch.cpp_extensions import general_gemm
     x2 = x.reshape(-1, x.shape[-1])
     shape = (*x.shape[:-1], weight.shape[0])
@@ -194,10 +193,8 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
             self.scaling.update()
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        if self.scaling is None:
-            return {}
-        return {_extra_key(name, suffix): tensor for name, tensors in self.scaling.state().items()
-                for suffix, tensor in tensors.items()}
+        state = self.scaling.state() if self.scaling is not None else {}
+        return {_extra_key(name, suffix): t for name, tensors in state.items() for suffix, t in tensors.items()}
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> set[str]:
         if self.scaling is None:
@@ -221,8 +218,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return cuda_library_missing("Transformer Engine", modules, "install Transformer Engine on a CUDA machine")
 
     def flops(self, node: fx.Node) -> tuple[int, bool] | None:
-        """The GEMM FLOPs of a `pipeline_te` op (a linear: one GEMM; its backward: dgrad and wgrad),
-        in fp8 when its `fp8` argument says so; None for other ops or symbolic sizes."""
+        """GEMM FLOPs of a `pipeline_te` op (a linear: one GEMM; its backward: dgrad and wgrad) and whether in fp8."""
         if node.target not in _CLAIMS:
             return None
         fp8 = bool(node.args[3])

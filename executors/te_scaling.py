@@ -30,8 +30,7 @@ def current_quantizer(name: str, columnwise: bool = True):
 
 def recipe_formats(recipe) -> tuple[str, str]:
     """(forward, backward) fp8 format of a TE recipe: HYBRID is E4M3 forward, E5M2 backward."""
-    fmt = getattr(getattr(recipe, "fp8_format", None), "name", "HYBRID")
-    if fmt not in _FORMATS:
+    if (fmt := getattr(getattr(recipe, "fp8_format", None), "name", "HYBRID")) not in _FORMATS:
         raise NotImplementedError(f"te.fp8: fp8_format {fmt} is not supported; use Format.HYBRID or Format.E4M3")
     return _FORMATS[fmt]
 
@@ -53,8 +52,7 @@ class _Stack:
         return sum(scale.numel() for _, scale in self.chunks)
 
     def ensure(self, n_linears: int, history_len: int, device) -> None:
-        missing = n_linears * self.per_linear - self.columns
-        if missing > 0:
+        if (missing := n_linears * self.per_linear - self.columns) > 0:
             self.chunks.append((torch.zeros(history_len, missing, dtype=torch.float32, device=device),
                                 torch.ones(missing, dtype=torch.float32, device=device)))
 

@@ -8,8 +8,7 @@ import sys
 
 
 class PipelineWarning(UserWarning):
-    """Something the user asked for was done differently (a cast while loading a checkpoint, an
-    ignored key, a cache turned off)."""
+    """Something the user asked for was done differently (a cast while loading a checkpoint, a cache turned off)."""
 
 
 class PipelineFallbackWarning(PipelineWarning):
@@ -28,8 +27,7 @@ def get_logger(name: str) -> logging.Logger:
 
 def _configure_from_env() -> None:
     """`PIPELINE_LOG=info|debug|warning` sends the pipeline's log to stderr at that level."""
-    level = os.environ.get("PIPELINE_LOG", "").strip().upper()
-    if not level:
+    if not (level := os.environ.get("PIPELINE_LOG", "").strip().upper()):
         return
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ValueError(f"PIPELINE_LOG={level.lower()!r}: use debug, info, warning or error")

@@ -85,8 +85,7 @@ def _readable_name(spec) -> str | None:
 
 
 def _tags(node: fx.Node) -> str:
-    """The tags passes communicate through, as the comment shows them: who runs the node, whether
-    the partitioner recomputes it, whether its memory is donated."""
+    """The tags passes communicate through (executor, recompute, donated), as the node's comment shows them."""
     tags = []
     if node.meta.get("executor"):
         tags.append(f"executor={node.meta['executor']}")

@@ -109,8 +109,7 @@ def rewrite(graph: fx.Graph, rules: list[tuple[Call | Either, Callable, Callable
 
 
 def add_call(graph: fx.Graph, target, args: tuple, value: Any) -> fx.Node:
-    """A call of `target` (a str: a tensor method) for a replacement, carrying `value`, the fake value
-    it computes, under the keys of both AOTAutograd's and Dynamo's graphs."""
+    """A call of `target` (a str: a tensor method) with fake value `value`, under AOTAutograd's and Dynamo's keys."""
     node = graph.create_node("call_method" if isinstance(target, str) else "call_function", target, args)
     node.meta["val"] = node.meta["example_value"] = value
     return node

@@ -63,8 +63,7 @@ def unbound_symbols(gm: fx.GraphModule) -> list[UnboundSymbol]:
 
 
 def check_symbols_bound(gm: fx.GraphModule, where: str) -> None:
-    """Raises `UnboundSymbolError` if `gm` refers to a symbol its inputs do not bind (see
-    `unbound_symbols`); `where` names the graph in the message (e.g. "region 3 (backward)")."""
+    """Raises `UnboundSymbolError` if `gm` refers to a symbol no input binds; `where` names the graph ("region 3")."""
     if problems := unbound_symbols(gm):
         inputs = [f"{p.name}: {_show(node_value(p))}" for p in gm.graph.nodes if p.op == "placeholder"]
         raise UnboundSymbolError(

@@ -82,15 +82,13 @@ def _check_outputs(before: Trace, after: Trace, who: str, dtypes_may_change: boo
 
 
 def structure(trace: Trace) -> int:
-    """A hash of every node's op, arguments and metadata identity: changes if a pass edits the
-    trace it was given (cheaper than printing it)."""
+    """A hash of every node's `_key`: changes if a pass edits the trace it was given (cheaper than printing it)."""
     return hash(tuple(_key(n) for n in trace.graph.nodes))
 
 
 def _key(node: fx.Node):
-    """What a node is: its op, target, arguments (by name) and the identity of its metadata and of
-    its inputs' metadata; a node with the same key in the pass's input trace was checked already.
-    Fake values are shared, never copied, by `Trace.editable`, so identity says unchanged."""
+    """What a node is, its metadata and its inputs' by identity: a node with the same key in the pass's input trace was
+    checked already (`Trace.editable` shares fake values, never copies them, so the same identity is unchanged)."""
     args = fx.node.map_arg((node.args, node.kwargs), lambda n: ("%", n.name, id(node_value(n))))
     try:
         hash(args)

@@ -44,9 +44,8 @@ def boxed(gm: fx.GraphModule, stored: Optional[tuple] = None):
 
 
 def _region_calls_boxed(gm: fx.GraphModule, graph: fx.Graph) -> None:
-    """Each region call `region(a, b)` becomes `region.call_boxed(list((a, b)))`: the generated code
-    drops its references at the packing, so a region that empties the list (Inductor's) frees its
-    inputs after their last use inside it, not when it returns."""
+    """Each region call `region(a, b)` becomes `region.call_boxed(list((a, b)))`: the generated code drops its
+    references at the packing, so a region emptying the list frees each input after its last use, not at its return."""
     for node in list(graph.nodes):
         if node.op != "call_module" or node.kwargs or not hasattr(gm.get_submodule(node.target), "call_boxed"):
             continue
@@ -59,9 +58,8 @@ def _region_calls_boxed(gm: fx.GraphModule, graph: fx.Graph) -> None:
 
 
 def _single_region(gm: fx.GraphModule):
-    """For a stage that is one region (placeholders -> one region call -> its outputs), a runner that
-    hands the argument list straight to the region, so no frame of ours holds the inputs while it
-    runs (as under torch.compile). None for any other shape of graph."""
+    """For a stage that is one region call (placeholders -> the call -> its outputs), a runner handing the argument
+    list straight to it: no frame of ours holds the inputs while it runs (as under torch.compile). Else None."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     calls = [n for n in nodes if n.op == "call_module"]

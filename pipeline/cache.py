@@ -58,8 +58,7 @@ def disabled_reason(option: bool) -> Optional[str]:
 def graph_key(gm, example_inputs, state) -> str:
     """The hash naming a captured graph's entry; raises `Uncacheable`."""
     parts = [f"format {FORMAT}", f"torch {torch.__version__}", f"python {sys.version}", f"pipeline {pipeline_source_hash()}",
-             f"modes {global_modes()}", *graph_code(gm)]
-    parts.append(f"aot_autograd {lowering_config()}")
+             f"modes {global_modes()}", *graph_code(gm), f"aot_autograd {lowering_config()}"]
     parts += [value_signature(v) for v in example_inputs]
     parts += [f"owner {state.config.owners.get(id(v))}" for v in example_inputs]
     parts += [pass_identity(p) for p in state.config.passes]
@@ -121,8 +120,7 @@ def pass_identity(p) -> str:
 def function_identity(fn, name: str, depth: int = 0) -> str:
     target = getattr(fn, "__func__", fn)
     if not inspect.isfunction(target):  # a callable object: its class's __call__ and its fields
-        call = getattr(type(fn), "__call__", None)
-        if not inspect.isfunction(call):
+        if not inspect.isfunction(call := getattr(type(fn), "__call__", None)):
             raise Uncacheable(f"pass {name!r}: cannot read the source of {fn!r}")
         return f"{function_identity(call, name, depth + 1)} {stable_repr(vars(fn), name, depth + 1)}"
     try:
@@ -136,8 +134,7 @@ def function_identity(fn, name: str, depth: int = 0) -> str:
 
 
 def stable_repr(value, name: str = "?", depth: int = 0) -> str:
-    """A text standing for `value` that is the same in every process; raises `Uncacheable` for
-    values that have none (objects whose repr is their address)."""
+    """The same text for `value` in every process; raises `Uncacheable` if there is none (a repr with an address)."""
     if depth > 6:
         raise Uncacheable(f"pass {name!r}: its closure is nested too deep to hash")
     if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
@@ -158,8 +155,7 @@ def stable_repr(value, name: str = "?", depth: int = 0) -> str:
         return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value.__name__)}"
     if hasattr(value, "__dict__"):
         return f"{type(value).__qualname__}({stable_repr(vars(value), name, depth + 1)})"
-    text = repr(value)
-    if " at 0x" in text:
+    if " at 0x" in (text := repr(value)):
         raise Uncacheable(f"pass {name!r}: {type(value).__name__} in its closure has no stable identity")
     return text
 
@@ -207,9 +203,8 @@ def entry_path(key: str, root: Optional[str] = None) -> str:
 
 
 def read_entry(key: str) -> Optional[dict]:
-    """The entry stored under `key`, or None (absent; or not readable, not authentic, stale: then
-    one warning, and the recompiled entry replaces it). Raises `Untrusted` when a path in the way
-    is not this user's alone (then the caller turns the cache off)."""
+    """The entry stored under `key`, or None (absent; or unreadable, unauthentic or stale: one warning, then replaced).
+    Raises `Untrusted` when a path in the way is not this user's alone (then the caller turns the cache off)."""
     secret, path = trusted_key(cache_root()), entry_path(key)
     try:
         folder = os.lstat(os.path.dirname(path))
@@ -276,8 +271,7 @@ class GraphCache:
     def open(cls, gm, example_inputs, state, record) -> Optional["GraphCache"]:
         start = time.perf_counter()
         try:
-            reason = disabled_reason(state.config.cache)
-            if reason is None:
+            if (reason := disabled_reason(state.config.cache)) is None:
                 try:
                     trusted_key(cache_root())
                     key = graph_key(gm, example_inputs, state)

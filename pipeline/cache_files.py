@@ -40,8 +40,7 @@ def check_parents(path: str) -> None:
     """Raises `Untrusted` when a directory above `path` is writable by group or others, unless sticky (`/tmp`)."""
     parent = os.path.dirname(os.path.abspath(path))
     while True:
-        st = os.stat(parent)
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        if (mode := os.stat(parent).st_mode) & 0o022 and not mode & stat.S_ISVTX:
             raise Untrusted(f"directory {parent} above the cache is writable by group or others, who could "
                             f"replace the cache in it; run `chmod go-w {parent}` or move PIPELINE_CACHE_DIR")
         if parent == os.path.dirname(parent):

@@ -42,8 +42,7 @@ def save(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None) ->
 
 
 def load(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True):
-    """Loads what `save` wrote (on any number of ranks) into `cm` (and `optimizer`), reading only the
-    rows of each tensor this rank holds."""
+    """Loads what `save` wrote (on any number of ranks) into `cm` (and `optimizer`), reading only this rank's rows."""
     sharded = _row_sharded(cm)
     with Checkpoint(path) as ckpt:
         if optimizer is not None and "optimizer" not in ckpt.metadata:

@@ -78,8 +78,7 @@ def old_objects_frozen(on: bool = True):
 
 
 def _aot_graph_logs_off():
-    """AOTAutograd renders the joint, forward and backward graphs as text for its logs even when none is
-    on (~5% of lowering): skipped unless TORCH_LOGS or tlparse asks for them."""
+    """AOTAutograd renders its graphs as text for its logs even with none on (~5% of lowering): not unless asked."""
     from torch._functorch._aot_autograd import graph_compile as g
     from torch._logging._internal import trace_log
     if trace_log.handlers or g.aot_graphs_log.isEnabledFor(logging.INFO) or g.aot_joint_log.isEnabledFor(logging.INFO):
@@ -132,11 +131,10 @@ class PipelineBackend:
         for node in gm.graph.nodes:  # Dynamo keeps fake values under "example_value"
             if "val" not in node.meta and "example_value" in node.meta:
                 node.meta["val"] = node.meta["example_value"]
-        specs = captured_input_specs(gm, example_inputs, state.config.owners)
-        outputs = [OutputSpec(OutputKind.USER_OUTPUT)] * _num_outputs(gm)
         captured = record.add_trace(Trace(gm, name=f"{record.graph_id}_captured", level=self.level,
-                                          stage=Stage.CAPTURED, inputs=specs, outputs=outputs,
-                                          provenance=(Step(self.capture),)))
+                                          inputs=captured_input_specs(gm, example_inputs, state.config.owners),
+                                          outputs=[OutputSpec(OutputKind.USER_OUTPUT)] * _num_outputs(gm),
+                                          stage=Stage.CAPTURED, provenance=(Step(self.capture),)))
         cache = GraphCache.open(gm, example_inputs, state, record)
         wrappers = graph_wrappers(state)  # e.g. model-changing transforms (stage 2) feed their tensors
         trace, example_inputs = pre_compile_all(wrappers, captured, list(example_inputs), record)
@@ -215,8 +213,7 @@ class PipelineBackend:
         return bound
 
     def _warm_start(self, cache, example_inputs, wrappers: list, record: GraphRecord):
-        """The compiled function from a stored entry, with no lowering (`warm_start`); None when the
-        entry has none, or it does not load (then the graph compiles, the reason noted)."""
+        """The stored entry's compiled function, not lowered (`warm_start`); None if it has none or fails to load."""
         stored = cache.stored if cache is not None else None
         if not stored or not stored.get("aot") or stored.get("wrappers") != wrappers:
             return None
@@ -289,9 +286,8 @@ class PipelineBackend:
 
     def _execute(self, stage: str, trace: Trace, donated: list, example_inputs, *, record: GraphRecord,
                  cache: GraphCache | None, lowered: str, loaded: StageCode | None = None) -> tuple:
-        """A stage's trace, after its passes, dispatched to the executors (its regions loaded from the artifact
-        cache where they are there), boxed, and recorded as a CUDA graph if asked; or a `loaded` stage's regions
-        built again. Returns (the callable, the execution trace, the assignment, why no CUDA graph or None)."""
+        """A stage's trace dispatched to the executors (regions loaded from the artifact cache if there), boxed, a CUDA
+        graph if asked; or a `loaded` stage's regions rebuilt. Returns (fn, execution trace, assignment, why_not)."""
         start = time.perf_counter()
         execution = dispatch(trace, self.state.config.executors, stage=stage, graph_id=record.graph_id,
                              first_region_id=sum(len(r.regions) for r in self.state.history.records),
@@ -336,8 +332,7 @@ class PipelineBackend:
 
 
 def _timing_first_call(fn: Callable, record: GraphRecord, stage: str) -> Callable:
-    """The boxed stage `fn`, its first call timed into `record.seconds["first call (<stage>)"]`
-    (kernels loaded on first launch, a CUDA graph's warm-up): not capture, not compile."""
+    """The boxed stage `fn`, its first call (kernel loading, CUDA graph warm-up) timed as "first call (<stage>)"."""
     def run(args: list):
         if not calls:
             return fn(args)
@@ -362,8 +357,7 @@ def _raced(record: GraphRecord, cache: GraphCache | None, seconds: float) -> Non
 
 
 def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
-    """Runs one pass, checking it returns a new Trace, left its input alone, and recorded itself.
-    An optional pass (a default optimization) that fails is skipped, with the reason recorded."""
+    """Runs `p`, checked (a new, valid Trace; its input untouched); an optional pass that fails is skipped, noted."""
     try:
         return _run_checked(p, trace, record)
     except PassError as e:

@@ -84,9 +84,8 @@ class _Entry:
 
 
 class GradCapture:
-    """Callable that compiles and runs a model through `trace_through_grad`, one compilation per
-    input signature (shapes, dtypes, requires_grad, the global modes `cache.global_modes` names, each
-    submodule's train/eval)."""
+    """Callable that compiles and runs a model through `trace_through_grad`, one compilation per input signature
+    (shapes, dtypes, requires_grad, the global modes `cache.global_modes` names, each submodule's train/eval)."""
 
     def __init__(self, model_or_fn, state):
         self.target, self.state = model_or_fn, state

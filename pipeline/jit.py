@@ -272,11 +272,10 @@ def _raw_break_counts(counters) -> dict[str, dict[str, int]]:
 
 
 def _break_counts(raw: dict[str, dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
+    out = collections.Counter()
     for per_reason in raw.values():
         for reason, count in per_reason.items():
-            first = reason.strip().splitlines()[0]
-            out[first] = out.get(first, 0) + count
+            out[reason.strip().splitlines()[0]] += count
     return out
 
 

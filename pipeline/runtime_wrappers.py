@@ -27,9 +27,8 @@ class RuntimeWrapper:
 
 
 class ModelTransformInputs(RuntimeWrapper):
-    """Model-changing transforms (quantize, fsdp): pre_compile rewrites the trace to read the transforms'
-    tensors, post_compile feeds them in place of the original parameters. Metadata: for each captured
-    input, the qualified name of the parameter it replaces, or None."""
+    """Model-changing transforms (quantize, fsdp): pre_compile rewrites the trace to read the transforms' tensors,
+    post_compile feeds them for the original parameters. Metadata: each captured input's replaced qualname or None."""
 
     def __init__(self, replaced: dict, qualnames: Optional[list] = None):
         self.replaced, self.qualnames = replaced, qualnames

@@ -31,8 +31,7 @@ def captured_input_specs(gm: fx.GraphModule, example_inputs: Sequence,
 def lowered_input_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage: Stage) -> list[InputSpec]:
     """Specs of an AOTAutograd graph's inputs, from the descriptor on each placeholder (`meta["desc"]`):
     the captured input it is, a tangent, an RNG seed; in a backward, a value saved for it, or a tangent."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return [_lowered_input_spec(n, i, captured, stage) for i, n in enumerate(placeholders)]
+    return [_lowered_input_spec(n, i, captured, stage) for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))]
 
 
 def _lowered_input_spec(node: fx.Node, position: int, captured: Sequence[InputSpec], stage: Stage) -> InputSpec:

@@ -84,10 +84,9 @@ def why_not(gm: fx.GraphModule, example_inputs) -> Optional[str]:
     """Why this captured graph cannot start warm (None: it can)."""
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         return "the graph holds parameters or buffers of its own"
-    for v in example_inputs:
-        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
-                isinstance(s, int) for s in (*v.shape, *v.stride()))):
-            return "symbolic shapes"
+    if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
+            isinstance(s, int) for s in (*v.shape, *v.stride()))) for v in example_inputs):
+        return "symbolic shapes"
     return None
 
 
