@@ -78,6 +78,10 @@ def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:
                 raise ValueError(f"{transform.name}: {', '.join(shared)} are one parameter (tied weights or a shared "
                                  f"submodule), which it would untie: untie them or leave them out of {transform.name}")
             claimed[qualname] = (module_prefix, module, attr, param, transform)
+    used = {id(p) for *_, transform in claimed.values() for p in transform.parts()}
+    if idle := [p.name for t in transforms for p in t.parts() if id(p) not in used]:
+        raise ValueError(f"{idle[0]} applies to no parameter of {type(model).__name__}, so it would change nothing: "
+                         f"leave it out of transforms=[...], or jit the module whose parameters it should change")
     if refused:
         names = [r for _, r in refused]
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

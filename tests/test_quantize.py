@@ -104,6 +104,28 @@ def test_fp8_weights_are_held_in_fp8_and_close(llama_and_tokens):
         assert relative_error(cm(tokens), reference) < 0.08
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_half_precision_weights_dequantize_to_their_own_dtype(kind, dtype):
+    """The dequantize computes in fp32 and casts back: it used to multiply by the fp32 scale and hand an fp32
+    weight to a half-precision matmul (a dtype error at the first call)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval().to(dtype)
+    x = torch.randn(8, 64, dtype=dtype)
+    with torch.no_grad():
+        reference = model(x)
+        cm = pipeline.jit(model, executors=["torch"], transforms=[quantize(kind)])
+        out = cm(x)
+    assert out.dtype == dtype and cm.state_dict()["0.weight"].dtype == dtype
+    assert relative_error(out.float(), reference.float()) < (0.02 if kind == "int8" else 0.08)
+
+
+def test_a_model_without_linears_is_an_error_not_a_no_op():
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 2, 1)).eval()
+    with pytest.raises(ValueError, match=r"quantize\(int8\) applies to no parameter of Sequential"):
+        pipeline.jit(model, executors=["torch"], transforms=[quantize()])
+    assert isinstance(model[0].weight, torch.nn.Parameter) and model[0].weight.abs().sum() > 0  # left as it was
+
+
 def test_unknown_quantization_is_an_error():
     with pytest.raises(ValueError, match="kind must be one of"):
         quantize("int3")

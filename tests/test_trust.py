@@ -13,7 +13,7 @@ import torch.nn as nn
 import pipeline
 from executors import Executor
 from ir import PipelineFallbackWarning
-from transforms import mixed_precision, trace_pass
+from transforms import chain, fsdp, materialize, mixed_precision, quantize, trace_pass
 
 
 def mm_relu(x, y):
@@ -162,6 +162,9 @@ def test_a_pass_that_raises_is_a_pass_error_naming_it():
 def test_a_pass_factory_listed_uncalled_is_an_error_at_jit():
     with pytest.raises(TypeError, match=r"mixed_precision makes a transform: list mixed_precision\(...\)"):
         pipeline.jit(mm_relu, transforms=[mixed_precision])
+    for factory in (quantize, materialize, chain, fsdp):  # model-changing ones too: they failed at the first call
+        with pytest.raises(TypeError, match=rf"{factory.__name__} makes a transform"):
+            pipeline.jit(nn.Linear(4, 4).eval(), transforms=[factory])
     with pytest.raises(TypeError, match="must take one argument, the trace"):
         pipeline.jit(mm_relu, transforms=[lambda: None])
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .base import pass_factory
 from .model_transform import ModelTransform
 
 
@@ -17,7 +18,7 @@ class Chain(ModelTransform):
         self.trainable, self.rowwise = first.trainable and then.trainable, first.rowwise and then.rowwise
 
     def parts(self) -> list[ModelTransform]:
-        return [p for t in (self.first, self.then) for p in (t.parts() if isinstance(t, Chain) else [t])]
+        return self.first.parts() + self.then.parts()
 
     def applies_to(self, module, qualname, param) -> bool:
         return any(p.applies_to(module, qualname, param) for p in self.parts())
@@ -86,7 +87,7 @@ class Chain(ModelTransform):
 def for_parameter(transforms: list[ModelTransform], module, qualname: str, param) -> Optional[ModelTransform]:
     """The chain of those `transforms` (chains among them flattened) that apply to parameter
     `qualname`, checked to compose; None if none applies."""
-    flat = [p for t in transforms for p in (t.parts() if isinstance(t, Chain) else [t])]
+    flat = [p for t in transforms for p in t.parts()]
     parts = [p for p in flat if p.applies_to(module, qualname, param)]
     if not parts:
         return None
@@ -97,6 +98,7 @@ def for_parameter(transforms: list[ModelTransform], module, qualname: str, param
     return transform
 
 
+@pass_factory
 def chain(*transforms: ModelTransform) -> ModelTransform:
     """The model transforms applied in order, as one (what `transforms=[...]` does with several)."""
     if not transforms:

@@ -9,6 +9,8 @@ import torch
 
 from ir import PipelineWarning
 
+from .base import pass_factory
+
 SAVED_PREFIX = "model."  # where `pipeline.save` keeps the model's state dict
 
 
@@ -104,6 +106,7 @@ def _to_empty_meta_only(module: torch.nn.Module, device) -> None:
             module._buffers[name] = torch.empty_like(buf, device=device)
 
 
+@pass_factory
 def materialize(checkpoint: Optional[str] = None, device="cpu") -> Materialize:
     """Gives a meta-device model real storage at jit time: its own init, or a safetensors checkpoint."""
     return Materialize(checkpoint, device)

@@ -46,6 +46,10 @@ class ModelTransform:
         """Inserts (at the insertion point) the torch-level ops computing the original value, with metadata."""
         raise NotImplementedError
 
+    def parts(self) -> list["ModelTransform"]:
+        """The transforms this one is made of, in order (a `Chain` has several)."""
+        return [self]
+
     def passes(self) -> list:
         """Trace passes this transform needs (e.g. FSDP's joint-graph recompute tags)."""
         return []

@@ -9,6 +9,7 @@ import torch.fx as fx
 from ir import fake_like, node_value
 from ir.rewrite import add_call
 
+from .base import pass_factory
 from .model_transform import ModelTransform
 
 _FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
@@ -44,11 +45,14 @@ class WeightOnlyQuantization(ModelTransform):
 
     def rebuild(self, graph: fx.Graph, inputs, original):
         q, scale = inputs["q"], inputs["scale"]
-        fake = fake_like(node_value(q), original.shape, dtype=original.dtype, device=original.device)
-        wide = add_call(graph, "to", (q, original.dtype), fake)
-        return add_call(graph, torch.mul, (wide, scale), fake)
+        fake = fake_like(node_value(q), original.shape, dtype=torch.float32, device=original.device)
+        value = add_call(graph, torch.mul, (add_call(graph, "to", (q, torch.float32), fake), scale), fake)
+        if original.dtype == torch.float32:
+            return value
+        return add_call(graph, "to", (value, original.dtype), fake_like(fake, original.shape, dtype=original.dtype))
 
 
+@pass_factory
 def quantize(kind: str = "int8") -> WeightOnlyQuantization:
     """Weight-only quantization of every `nn.Linear` weight: "int8" or "fp8" (e4m3)."""
     return WeightOnlyQuantization(kind)
