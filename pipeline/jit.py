@@ -162,6 +162,8 @@ def _apply_transforms(model_or_fn, transforms: list) -> tuple[list[TracePass], d
     preparations = [t for t in transforms if isinstance(t, Materialize)]
     model_transforms = [t for t in transforms if isinstance(t, ModelTransform)]
     passes = [as_pass(t) for t in transforms if not isinstance(t, (ModelTransform, Materialize))]
+    if len(preparations) > 1:  # they would mix their files and devices
+        raise ValueError(f"list materialize once, not {len(preparations)} times: {[p.name for p in preparations]}")
     if (preparations or model_transforms) and not isinstance(model_or_fn, torch.nn.Module):
         raise TypeError(f"{(preparations + model_transforms)[0].name} changes a module's parameters; jit an nn.Module")
     if model_transforms and differentiates_inside(model_or_fn):

@@ -127,3 +127,30 @@ def test_quantize_reading_a_file_that_lacks_a_weight_names_it_and_changes_nothin
     with pytest.raises(KeyError, match=r"lacks head\.weight"):
         pipeline.jit(model, executors=["torch"], transforms=[materialize(path), quantize("int8")])
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_buffer_computed_in_init_and_left_unset_by_reset_parameters_is_named():
+    """It used to come back as uninitialised memory: a rotary table of garbage, used silently."""
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(4) / 4))
+
+        def reset_parameters(self):
+            pass  # initialises nothing of its own: inv_freq stays as __init__ left it, on meta
+
+        def forward(self, x):
+            return self.proj(x) * self.inv_freq
+
+    with torch.device("meta"):
+        model = Rotary()
+    with pytest.raises(ValueError, match=r"reset_parameters\(\) left inv_freq unset"):
+        pipeline.jit(model, executors=["torch"], transforms=[materialize()])
+
+
+def test_materialize_listed_twice_is_an_error(tmp_path):
+    with torch.device("meta"):
+        model = Llama(LlamaConfig())
+    with pytest.raises(ValueError, match="list materialize once, not 2 times"):
+        pipeline.jit(model, executors=["torch"], transforms=[materialize(), materialize(str(tmp_path / "w.st"))])

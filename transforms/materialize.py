@@ -23,8 +23,7 @@ class Materialize:
 
     def prepare_module(self, model: torch.nn.Module, skip: frozenset = frozenset()) -> None:
         """Gives every meta tensor of `model` storage and values; `skip`: keys model transforms loaded already."""
-        on_meta = [(name, m) for name, m in model.named_modules()
-                   if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+        on_meta = [(name, m) for name, m in model.named_modules() if any(t.is_meta for _, t in _own_tensors(m))]
         # Without a checkpoint every module initialises itself; with one, those whose state the file
         # cannot hold (non-persistent buffers, such as rotary tables) still must.
         needs_init = [(name, m) for name, m in on_meta
@@ -38,6 +37,10 @@ class Materialize:
         with torch.no_grad():
             for _, module in needs_init:
                 module.reset_parameters()
+        if unset := [f"{prefix}.{name}".lstrip(".") for prefix, m in needs_init for name, t in _own_tensors(m)
+                     if t.is_floating_point() and t.numel() and t.reshape(-1)[0].isnan()]:
+            raise ValueError(f"materialize: reset_parameters() left {_listed(unset)} unset (a value computed in "
+                             f"__init__ is lost on the meta device): set it in reset_parameters()")
         if self.checkpoint is not None:  # the user asked for the file's values: loaded even with nothing on meta
             load_tensors(model, self.checkpoint, skip)
 
@@ -95,15 +98,21 @@ def _listed(items: list, limit: int = 8) -> str:
     return ", ".join(items[:limit]) + (f" ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
+def _own_tensors(module: torch.nn.Module) -> list:
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+
+
 def _to_empty_meta_only(module: torch.nn.Module, device) -> None:
-    """Like `module.to_empty(recurse=False)`, but only for tensors still on the meta device."""
-    for name, param in list(module.named_parameters(recurse=False)):
-        if param.is_meta:
-            setattr(module, name, torch.nn.Parameter(torch.empty_like(param, device=device),
-                                                     requires_grad=param.requires_grad))
-    for name, buf in list(module.named_buffers(recurse=False)):
-        if buf.is_meta:
-            module._buffers[name] = torch.empty_like(buf, device=device)
+    """Like `module.to_empty(recurse=False)`, but only for tensors still on the meta device, and NaN-filled
+    (floating point) so a tensor that initialisation leaves unset is found, not used as garbage."""
+    for name, t in _own_tensors(module):
+        if t.is_meta:
+            new = torch.full_like(t, torch.nan, device=device) if t.is_floating_point() else torch.empty_like(
+                t, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                setattr(module, name, torch.nn.Parameter(new, requires_grad=t.requires_grad))
+            else:
+                module._buffers[name] = new
 
 
 @pass_factory
