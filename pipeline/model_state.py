@@ -2,9 +2,11 @@
 the trace rewrite that feeds the compiled code the new tensors, and state dicts both ways."""
 
 import dataclasses
+import functools
 import warnings
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ir import InputKind, InputSpec, PipelineWarning, Trace, node_value
 from transforms.chain import for_parameter
@@ -56,9 +58,26 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
         stand_in = torch.zeros(1, dtype=param.dtype, device=target).expand(param.shape)
         setattr(module, attr, stand_in := torch.nn.Parameter(stand_in, requires_grad=False))
         stand_in.pipeline_replaced_by = transform.name  # `jit` refuses a model holding stand-ins
+        if trains:  # the new tensors train: an optimizer holding the old or the stand-in is refused
+            stand_in.pipeline_trains_instead = param.pipeline_trains_instead = transform.name
+            _check_optimizers()
     if casts:
         warnings.warn(f"materialize: loading the checkpoint: {casts_message(casts)}", PipelineWarning, stacklevel=2)
     return replaced
+
+
+@functools.cache
+def _check_optimizers():
+    return register_optimizer_step_pre_hook(_refuse_stale_optimizer)
+
+
+def _refuse_stale_optimizer(optimizer, args, kwargs) -> None:
+    """An optimizer over parameters a model transform replaced (built before `jit`, or from the model's stand-ins
+    after it) would step tensors the compiled code never reads: training would silently change nothing."""
+    if stale := {p.pipeline_trains_instead for g in optimizer.param_groups for p in g["params"]
+                 if hasattr(p, "pipeline_trains_instead")}:
+        raise RuntimeError(f"{type(optimizer).__name__} holds parameters that {', '.join(sorted(stale))} replaced, "
+                           f"which nothing trains: build the optimizer from the jitted model's parameters, after jit")
 
 
 def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:

@@ -13,6 +13,7 @@ import torch.nn as nn
 import pipeline
 from executors import Executor
 from ir import PipelineFallbackWarning
+from transforms import ModelTransform
 from transforms import chain, fsdp, materialize, mixed_precision, quantize, trace_pass
 
 
@@ -377,3 +378,38 @@ def test_a_copy_to_pinned_host_memory_checks():
     copy_.meta["val"] = mm.meta["val"].t()  # and a wrong claim is still caught
     with pytest.raises(Exception, match="claims shape"):
         check_types(trace.derive(gm, by="pinned copy"), before=trace, pass_name="pinned copy")
+
+
+# -- an optimizer over parameters a model transform replaced --------------------------------------
+
+class _Renamed(ModelTransform):
+    """A trainable model transform needing no process group: each Linear weight held under a new name."""
+    name, trainable = "renamed", True
+
+    def applies_to(self, module, qualname, param):
+        return isinstance(module, nn.Linear) and qualname.endswith("weight")
+
+    def encode(self, value, like=None):
+        return {"w": value.detach().clone()}
+
+    def decode(self, tensors, original):
+        return tensors["w"]
+
+    def rebuild(self, graph, inputs, original):
+        return inputs["w"]
+
+
+def test_an_optimizer_over_replaced_parameters_is_refused_at_its_step():
+    """Built before jit (or from the model's stand-ins after), it stepped tensors nothing reads: no training."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    before = torch.optim.SGD(model.parameters(), lr=0.1)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[_Renamed()])
+    cm(torch.randn(3, 4)).sum().backward()
+    for stale in (before, torch.optim.SGD(model.parameters(), lr=0.1)):
+        with pytest.raises(RuntimeError, match="SGD holds parameters that renamed replaced, which nothing trains"):
+            stale.step()
+    weights = [p for n, p in cm.named_parameters() if n.endswith(".w")]
+    assert len(weights) == 2 and all(p.requires_grad and p.grad is not None for p in weights)
+    start = [w.detach().clone() for w in weights]
+    torch.optim.SGD(cm.parameters(), lr=0.1).step()  # the jitted model's parameters: trains
+    assert all(not torch.equal(w, s) for w, s in zip(weights, start))
