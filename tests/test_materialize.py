@@ -154,3 +154,25 @@ def test_materialize_listed_twice_is_an_error(tmp_path):
         model = Llama(LlamaConfig())
     with pytest.raises(ValueError, match="list materialize once, not 2 times"):
         pipeline.jit(model, executors=["torch"], transforms=[materialize(), materialize(str(tmp_path / "w.st"))])
+
+
+def test_a_model_with_its_own_init_weights_is_warned_that_reset_parameters_ran_instead():
+    """Its `apply(self._init_weights)` in __init__ ran on meta: materialize() initialises otherwise, not silently."""
+    class Custom(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.apply(self._init_weights)
+
+        def _init_weights(self, module):
+            if isinstance(module, torch.nn.Linear):
+                torch.nn.init.normal_(module.weight, std=0.02)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    with torch.device("meta"):
+        model = Custom()
+    with pytest.warns(PipelineWarning, match=r"Custom._init_weights ran on the meta device only"):
+        cm = pipeline.jit(model, executors=["torch"], transforms=[materialize()])
+    assert cm(torch.randn(2, 4)).isfinite().all()

@@ -32,6 +32,11 @@ class Materialize:
                        if not callable(getattr(m, "reset_parameters", None))]:
             raise ValueError(f"materialize: modules {missing} have meta tensors but no reset_parameters() to "
                              f"initialise them; give them one" + ("" if self.checkpoint else ", or pass a checkpoint"))
+        if self.checkpoint is None and (custom := [type(m).__name__ for _, m in on_meta + [("", model)]
+                                                   if hasattr(m, "_init_weights")]):
+            warnings.warn(f"materialize(): {custom[0]}._init_weights ran on the meta device only; the tensors come from "
+                          f"each module's reset_parameters() instead. To start from the weights eager gives, pass "
+                          f"materialize(checkpoint) a file of them", PipelineWarning, stacklevel=4)
         for _, module in on_meta:
             _to_empty_meta_only(module, self.device)
         with torch.no_grad():
