@@ -106,8 +106,7 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
                     raise NotDecomposable(f"tracing {node.target} failed: {type(e).__name__}: {e}") from e
                 if traced[key] is not None and any(n.op == "get_attr" for n in traced[key].graph.nodes):
                     raise NotDecomposable(f"{node.target}'s decomposition makes tensor constants")
-            sub = traced[key]
-            if sub is not None and not _retarget(node, sub):  # retargeted: one op for another
+            if (sub := traced[key]) is not None and not _retarget(node, sub):  # retargeted: one op for another
                 _splice_with_values(graph, node, sub, fake_mode, stale)
                 continue
         inputs_stale = [stale[i] for i in node.all_input_nodes if i in stale]

@@ -28,8 +28,7 @@ def compiling():
     """Around an nvFuser call that may compile: its options (`kernel_db` on; parallel compile off: the database's
     reads are unguarded), or {} when the store is off (no cache, another process's, NVFUSER_ENABLE's own)."""
     with _one_thread:
-        folder = _folder()
-        if folder is not None and _still_ours(folder):
+        if (folder := _folder()) is not None and _still_ours(folder):
             with environ_set("TMPDIR", folder):
                 yield {"_enable_options": ["kernel_db"], "_disable_options": ["parallel_compile"]}
             return
@@ -114,8 +113,7 @@ def _inconsistent(database: str) -> str | None:
             return f"kernel_{i}'s files do not read ({type(e).__name__})"
         if not all(files):
             return f"kernel_{i}'s .cu or .cubin is empty"
-        source = hashlib.sha256(files[0]).digest()
-        if source in sources:
+        if (source := hashlib.sha256(files[0]).digest()) in sources:
             return f"kernel_{i}.cu repeats an earlier kernel's source"
         sources.add(source)
     return None

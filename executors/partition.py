@@ -54,8 +54,7 @@ def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallba
     for group in _by_barrier_depth(gm, members):
         ops = [n for n in group if n.target is not operator.getitem]
         computing = [n for n in ops if not computes_nothing(n.target)]  # only these split an island
-        owners = {n.meta["executor"] for n in computing}
-        if len(owners) < 2:
+        if len(owners := {n.meta["executor"] for n in computing}) < 2:
             continue
         if (whole := next((e for e in fusion.values() if all(e.claims(n) for n in ops)), None)) is None:
             continue

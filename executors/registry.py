@@ -31,8 +31,7 @@ def resolve(executors: Sequence) -> tuple[list[Executor], list[str]]:
     if not listed:
         raise ValueError("executors is empty: list at least one, e.g. executors=['torch']")
     reasons = {e.name: e.available().reason for e in listed}  # None: available
-    usable = [e for e in listed if reasons[e.name] is None]
-    if not usable:
+    if not (usable := [e for e in listed if reasons[e.name] is None]):
         raise RuntimeError("none of the listed executors is available here — "
                            + "; ".join(f"{name}: {why}" for name, why in reasons.items()))
     return usable, [f"executor {name!r} is not available and is skipped: {why}" for name, why in reasons.items() if why is not None]

@@ -103,8 +103,7 @@ def _exprs(value, offsets: bool = True) -> Iterator:
 
 def _introduced(node: fx.Node, exprs: list) -> set:
     """Unbacked symbols an op creates (a data-dependent size, `item()`): bound from this node on."""
-    found = set(node.meta.get("unbacked_bindings") or ())
-    if found or node.op != "call_function":
+    if (found := set(node.meta.get("unbacked_bindings") or ())) or node.op != "call_function":
         return found
     from torch.utils._sympy.symbol import SymT, symbol_is_type
     unbacked = (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)  # for graphs without `unbacked_bindings`

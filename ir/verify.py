@@ -29,10 +29,8 @@ def verify(trace: Trace) -> Trace:
             raise TraceError(f"{where}: node {node.name!r} ({node.format_node()}) has no shape/dtype "
                              f"metadata (meta['val']); passes must set it on the nodes they create")
         seen.add(node)
-    n_in = len(trace.placeholders())
-    if len(trace.inputs) != n_in:
+    if len(trace.inputs) != (n_in := len(trace.placeholders())):
         raise TraceError(f"{where}: {len(trace.inputs)} input specs for {n_in} placeholders")
-    n_out = len(trace.output_values())
-    if trace.outputs and len(trace.outputs) != n_out:
+    if trace.outputs and len(trace.outputs) != (n_out := len(trace.output_values())):
         raise TraceError(f"{where}: {len(trace.outputs)} output specs for {n_out} outputs")
     return trace

@@ -66,8 +66,7 @@ def _single_region(gm: fx.GraphModule):
     rest = [n for n in nodes if n.op not in ("placeholder", "call_module", "output")]
     if len(calls) != 1 or any(n.target is not operator.getitem or n.args[0] is not calls[0] for n in rest):
         return None
-    region = gm.get_submodule(calls[0].target)
-    if not hasattr(region, "call_boxed") or calls[0].kwargs:
+    if not hasattr(region := gm.get_submodule(calls[0].target), "call_boxed") or calls[0].kwargs:
         return None
     position = {n: i for i, n in enumerate(placeholders)}
 
@@ -81,8 +80,7 @@ def _single_region(gm: fx.GraphModule):
         return ("constant", a)
 
     ins = [source(a) for a in calls[0].args]
-    out_node = nodes[-1].args[0]
-    if not isinstance(out_node, (tuple, list)):
+    if not isinstance(out_node := nodes[-1].args[0], (tuple, list)):
         return None
     outs = [source(a) for a in out_node]
     if any(s is None or s[0] == "output" for s in ins) or any(s is None for s in outs):

@@ -33,11 +33,9 @@ def why_not_recordable(trace: Trace, example_inputs: Sequence, executors) -> Opt
         return "no CUDA device here"
     devices: dict[torch.device, str] = {}
     for node in trace.module.graph.nodes:  # every value, not only the inputs (a CPU-offloaded save)
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+        if isinstance(value := node.meta.get("val"), torch.Tensor) and value.device.type != "meta":
             devices.setdefault(value.device, node.name)
-    cpu = [f"{name} on {d}" for d, name in devices.items() if d.type != "cuda"]
-    if cpu or not devices:
+    if (cpu := [f"{name} on {d}" for d, name in devices.items() if d.type != "cuda"]) or not devices:
         return f"a value off the GPU ({', '.join(cpu) or 'no tensors'}): CUDA graphs capture GPU work only"
     if len(devices) > 1:
         return f"values on several GPUs {sorted(str(d) for d in devices)}"

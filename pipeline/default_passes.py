@@ -40,8 +40,7 @@ class Without:
 
 def without(*names: str) -> Without:
     known = {p.name for p in default_passes()}
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
+    if (unknown := [n for n in names if n not in known]) or not names:
         raise ValueError(f"without: no default pass named {unknown or '(none given)'}; the default passes "
                          f"are {sorted(known)}")
     return Without(tuple(names))

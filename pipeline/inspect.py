@@ -54,8 +54,7 @@ def regions(cm) -> RegionTable:
 
 def last_traces(cm) -> list[Trace]:
     """Each stage's traces of the latest compiling call's graphs, in pipeline order (captured first, execution last)."""
-    records = _state(cm).history.records
-    if not records:
+    if not (records := _state(cm).history.records):
         raise RuntimeError("nothing compiled yet: call the jitted model first")
     latest = max(r.generation for r in records)
     return [t for rec in records if rec.generation == latest for t in rec.traces]

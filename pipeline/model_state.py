@@ -117,8 +117,7 @@ class _ReadAs:
         self.inner, self.dtype, self.stored = inner, dtype, None
 
     def __getitem__(self, index):
-        value = self.inner[index]
-        if value.dtype != self.dtype:
+        if (value := self.inner[index]).dtype != self.dtype:
             self.stored = value.dtype
         return value.to(self.dtype)
 
@@ -132,8 +131,7 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
     fake_mode = next((node_value(n).fake_mode for n in placeholders if hasattr(node_value(n), "fake_mode")), None)
     specs, inputs, rebuild = [], [], []
     for node, spec, value in zip(placeholders, trace.inputs, example_inputs):
-        r = replaced.get(spec.qualname) if spec.kind == InputKind.PARAMETER else None
-        if r is None:
+        if (r := replaced.get(spec.qualname) if spec.kind == InputKind.PARAMETER else None) is None:
             specs.append(spec)
             inputs.append(value)
             continue

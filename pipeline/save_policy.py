@@ -29,8 +29,7 @@ def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
         if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or is_random(node):
             continue
         if node.target in _UPCASTS:
-            source = node_value(node.args[0])
-            if isinstance(source, torch.Tensor) and source.dtype in _HALF:
+            if isinstance(source := node_value(node.args[0]), torch.Tensor) and source.dtype in _HALF:
                 root[node] = node
             continue
         if _elementwise_or_layout(node.target) and (upcast := _single_root(node, value, root)) is not None:
@@ -84,8 +83,7 @@ def _single_root(node: fx.Node, value: torch.Tensor, root: dict) -> fx.Node | No
     from torch.fx.experimental.symbolic_shapes import statically_known_true
     roots = set()
     for a in node.all_input_nodes:
-        v = node_value(a)
-        if not isinstance(v, torch.Tensor):
+        if not isinstance(v := node_value(a), torch.Tensor):
             continue
         if a in root:  # a smaller view would make the partitioner save the whole half-precision tensor instead
             if not statically_known_true(v.numel() == value.numel() if not _layout(node.target)

@@ -88,8 +88,7 @@ def _label(spec: InputSpec) -> str:
 
 
 def _kind_from_source(node: fx.Node) -> InputKind:
-    name = _source_name(node) or ""
-    if "._parameters[" in name:
+    if "._parameters[" in (name := _source_name(node) or ""):
         return InputKind.PARAMETER
     if "._buffers[" in name:
         return InputKind.BUFFER

@@ -43,8 +43,7 @@ def causal_attention_in(trace: Trace) -> Trace:
         mask, query, key = m["mask"], m.value("query"), m.value("key")
         if not isinstance(mask, fx.Node) or not _fits(node_value(mask), query, key):
             return False
-        seen = (mask, tuple(query.shape), key.shape[-2])
-        if seen not in decided:
+        if (seen := (mask, tuple(query.shape), key.shape[-2])) not in decided:
             decided[seen] = _equals_causal(_constant(gm, mask))
         return decided[seen]
 

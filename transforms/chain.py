@@ -77,8 +77,7 @@ class Chain(ModelTransform):
         return {f"{s}.{s2}": t2 for s, t in mid.items() for s2, t2 in self.then.from_rows({"": t}, mids[s]).items()}
 
     def local_rows(self, tensors, original):
-        mids = self._mids(original)
-        local = {s: self.then.local_rows(self._group(tensors, s), m)[""] for s, m in mids.items()}
+        local = {s: self.then.local_rows(self._group(tensors, s), m)[""] for s, m in self._mids(original).items()}
         start, stop = self.row_shard(original)
         part = torch.empty((stop - start, *original.shape[1:]), dtype=original.dtype, device="meta")
         return {"": self.first.decode(local, part).to(original.dtype), **self.first.extra_state(local, part)}
@@ -87,9 +86,7 @@ class Chain(ModelTransform):
 def for_parameter(transforms: list[ModelTransform], module, qualname: str, param) -> Optional[ModelTransform]:
     """The chain of those `transforms` (chains among them flattened) that apply to parameter
     `qualname`, checked to compose; None if none applies."""
-    flat = [p for t in transforms for p in t.parts()]
-    parts = [p for p in flat if p.applies_to(module, qualname, param)]
-    if not parts:
+    if not (parts := [p for t in transforms for p in t.parts() if p.applies_to(module, qualname, param)]):
         return None
     transform = parts[0]
     for part in parts[1:]:

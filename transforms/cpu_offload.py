@@ -36,10 +36,8 @@ def _offload_saved_outputs(gm: fx.GraphModule, trace: Trace, offloaded) -> None:
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(output.args[0])
     for i, (value, spec) in enumerate(zip(values, trace.outputs)):
-        if spec.kind != OutputKind.SAVED or not isinstance(value, fx.Node) or value.op == "placeholder":
-            continue
-        fake = node_value(value)
-        if not offloaded(fake):
+        if (spec.kind != OutputKind.SAVED or not isinstance(value, fx.Node) or value.op == "placeholder"
+                or not offloaded(fake := node_value(value))):
             continue
         on_cuda = fake.device.type == "cuda"
         with gm.graph.inserting_before(output):
@@ -53,10 +51,8 @@ def _offload_saved_outputs(gm: fx.GraphModule, trace: Trace, offloaded) -> None:
 def _reload_saved_inputs(gm: fx.GraphModule, trace: Trace, offloaded) -> None:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node, spec in zip(list(gm.graph.nodes), trace.inputs):
-        if node.op != "placeholder" or spec.kind != InputKind.SAVED or spec.qualname is not None:
-            continue
-        fake = node_value(node)
-        if not offloaded(fake) or not node.users:
+        if (node.op != "placeholder" or spec.kind != InputKind.SAVED or spec.qualname is not None
+                or not offloaded(fake := node_value(node)) or not node.users):
             continue
         with gm.graph.inserting_before(min(node.users, key=order.__getitem__)):
             reload = gm.graph.call_function(aten._to_copy.default, (node,), {

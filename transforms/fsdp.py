@@ -89,9 +89,8 @@ class FSDP(ModelTransform):
 def regather_in_backward(trace: Trace) -> Trace:
     """Marks the ops rebuilding full parameters from shards for recomputation: the backward gathers again."""
     gm = trace.editable()
-    shards = {n for n, spec in zip(gm.graph.nodes, trace.inputs)
-              if n.op == "placeholder" and spec.qualname and spec.qualname.endswith(".shard")}
-    derived = set(shards)
+    derived = {n for n, spec in zip(gm.graph.nodes, trace.inputs)  # the shards, then what only they compute
+               if n.op == "placeholder" and spec.qualname and spec.qualname.endswith(".shard")}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in derived:
             continue

@@ -5,6 +5,7 @@ lowered trace shows every cast and the backward reaches the fp32 parameters thro
 import torch
 
 from ir import Trace, node_value
+from ir.rewrite import add_call
 
 from .base import TracePass, pass_factory
 
@@ -25,11 +26,9 @@ def mixed_precision(dtype: str = "bf16") -> TracePass:
         device = next((v.device.type for v in map(node_value, placeholders)
                        if isinstance(v, torch.Tensor) and v.is_floating_point()), "cpu")
         with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
-            enter = graph.call_function(torch.amp.autocast_mode._enter_autocast, (device, low, True, None))
-        enter.meta["val"] = None
+            enter = add_call(graph, torch.amp.autocast_mode._enter_autocast, (device, low, True, None), None)
         with graph.inserting_before(graph.output_node()):
-            leave = graph.call_function(torch.amp.autocast_mode._exit_autocast, (enter,))
-        leave.meta["val"] = None
+            add_call(graph, torch.amp.autocast_mode._exit_autocast, (enter,), None)
         gm.recompile()
         _propagate_metadata(gm, placeholders)
         return trace.derive(gm, by=name)
