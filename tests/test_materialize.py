@@ -1,4 +1,5 @@
 """materialize: a model built on the meta device gets storage at jit time, from its init or a file."""
+import warnings
 from unittest import mock
 
 import pytest
@@ -149,6 +150,49 @@ def test_a_buffer_computed_in_init_and_left_unset_by_reset_parameters_is_named()
         pipeline.jit(model, executors=["torch"], transforms=[materialize()])
 
 
+class _Tables(torch.nn.Module):
+    """A weight the checkpoint holds, and tables computed in __init__ that only `reset_parameters` can rebuild."""
+    def __init__(self, sets=("w", "freqs", "positions")):
+        super().__init__()
+        self.sets = sets
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)), persistent=False)
+        self.register_buffer("positions", torch.arange(4), persistent=False)
+
+    def reset_parameters(self):
+        if "w" in self.sets:
+            torch.nn.init.normal_(self.w)
+        if "half of w" in self.sets:
+            self.w[:2].zero_()
+        if "freqs" in self.sets:
+            self.freqs.copy_(torch.polar(torch.ones(4), torch.arange(4.0)))
+        if "positions" in self.sets:
+            self.positions.copy_(torch.arange(4))
+
+    def forward(self, x):
+        return (x @ self.w) * self.freqs.real + self.positions
+
+
+@pytest.mark.parametrize("sets, unset", [(("half of w", "freqs", "positions"), "w"), (("w", "positions"), "freqs"),
+                                         (("w", "freqs"), "positions")])
+def test_a_tensor_reset_parameters_leaves_unset_in_part_complex_or_integer_is_named(sets, unset):
+    with torch.device("meta"):
+        model = _Tables(sets)
+    with pytest.raises(ValueError, match=rf"reset_parameters\(\) left {unset} unset"):
+        pipeline.jit(model, executors=["torch"], transforms=[materialize()])
+
+
+def test_with_a_checkpoint_reset_parameters_owes_only_what_the_file_cannot_hold(tmp_path):
+    """The file gives `w`: a `reset_parameters` that rebuilds only the non-persistent tables is enough."""
+    eager = _Tables()
+    save_file({"w": eager.w.detach()}, path := str(tmp_path / "w.safetensors"))
+    with torch.device("meta"):
+        model = _Tables(sets=("freqs", "positions"))
+    x = torch.randn(2, 4)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[materialize(path)])
+    torch.testing.assert_close(cm(x), eager(x))
+
+
 def test_materialize_listed_twice_is_an_error(tmp_path):
     with torch.device("meta"):
         model = Llama(LlamaConfig())
@@ -176,3 +220,6 @@ def test_a_model_with_its_own_init_weights_is_warned_that_reset_parameters_ran_i
     with pytest.warns(PipelineWarning, match=r"Custom._init_weights ran on the meta device only"):
         cm = pipeline.jit(model, executors=["torch"], transforms=[materialize()])
     assert cm(torch.randn(2, 4)).isfinite().all()
+    with warnings.catch_warnings():  # nothing on meta: nothing to warn about
+        warnings.simplefilter("error")
+        pipeline.jit(Custom(), executors=["torch"], transforms=[materialize()])

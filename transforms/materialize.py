@@ -32,20 +32,23 @@ class Materialize:
                        if not callable(getattr(m, "reset_parameters", None))]:
             raise ValueError(f"materialize: modules {missing} have meta tensors but no reset_parameters() to "
                              f"initialise them; give them one" + ("" if self.checkpoint else ", or pass a checkpoint"))
-        if self.checkpoint is None and (custom := [type(m).__name__ for _, m in on_meta + [("", model)]
-                                                   if hasattr(m, "_init_weights")]):
+        if self.checkpoint is None and on_meta and (custom := [type(m).__name__ for _, m in [("", model), *on_meta]
+                                                               if hasattr(m, "_init_weights")]):
             warnings.warn(f"materialize(): {custom[0]}._init_weights ran on the meta device only; the tensors come from "
                           f"each module's reset_parameters() instead. To start from the weights eager gives, pass "
                           f"materialize(checkpoint) a file of them", PipelineWarning, stacklevel=4)
+        # What reset_parameters() must set (with a checkpoint: only what the file cannot hold) starts poisoned.
+        owed = [(prefix, m, name) for prefix, m in needs_init for name, t in _own_tensors(m)
+                if t.is_meta and (self.checkpoint is None or name in m._non_persistent_buffers_set)]
         for _, module in on_meta:
             _to_empty_meta_only(module, self.device)
         with torch.no_grad():
+            owed = [(prefix, m, name) for prefix, m, name in owed if _poison(getattr(m, name))]
             for _, module in needs_init:
                 module.reset_parameters()
-        if unset := [f"{prefix}.{name}".lstrip(".") for prefix, m in needs_init for name, t in _own_tensors(m)
-                     if t.is_floating_point() and t.numel() and t.reshape(-1)[0].isnan()]:
-            raise ValueError(f"materialize: reset_parameters() left {_listed(unset)} unset (a value computed in "
-                             f"__init__ is lost on the meta device): set it in reset_parameters()")
+        if unset := [f"{prefix}.{name}".lstrip(".") for prefix, m, name in owed if _poisoned(getattr(m, name))]:
+            raise ValueError(f"materialize: reset_parameters() left {_listed(unset)} unset, wholly or in part (a value "
+                             f"computed in __init__ is lost on the meta device): set it in reset_parameters()")
         if self.checkpoint is not None:  # the user asked for the file's values: loaded even with nothing on meta
             load_tensors(model, self.checkpoint, skip)
 
@@ -108,16 +111,26 @@ def _own_tensors(module: torch.nn.Module) -> list:
 
 
 def _to_empty_meta_only(module: torch.nn.Module, device) -> None:
-    """Like `module.to_empty(recurse=False)`, but only for tensors still on the meta device, and NaN-filled
-    (floating point) so a tensor that initialisation leaves unset is found, not used as garbage."""
+    """Like `module.to_empty(recurse=False)`, but only for tensors still on the meta device."""
     for name, t in _own_tensors(module):
-        if t.is_meta:
-            new = torch.full_like(t, torch.nan, device=device) if t.is_floating_point() else torch.empty_like(
-                t, device=device)
-            if isinstance(t, torch.nn.Parameter):
-                setattr(module, name, torch.nn.Parameter(new, requires_grad=t.requires_grad))
-            else:
-                module._buffers[name] = new
+        if t.is_meta and isinstance(t, torch.nn.Parameter):
+            setattr(module, name, torch.nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad))
+        elif t.is_meta:
+            module._buffers[name] = torch.empty_like(t, device=device)
+
+
+def _poison(t: torch.Tensor) -> bool:
+    """Fills `t` with what no initialisation writes (NaN; an integer type's minimum), so `_poisoned` finds the
+    elements it left as they were; False for a bool tensor, which has no such value."""
+    if t.dtype != torch.bool:
+        t.fill_(torch.nan if t.is_floating_point() or t.is_complex() else torch.iinfo(t.dtype).min)
+    return t.dtype != torch.bool
+
+
+def _poisoned(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(t.sum().isnan())  # one reduction, no mask as large as the tensor
+    return bool((t == torch.iinfo(t.dtype).min).any())
 
 
 @pass_factory
