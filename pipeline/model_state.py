@@ -57,10 +57,9 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
         replaced[qualname] = Replaced(transform, tensors, torch.empty_like(param, device="meta"), module_prefix, attr)
         stand_in = torch.zeros(1, dtype=param.dtype, device=target).expand(param.shape)
         setattr(module, attr, stand_in := torch.nn.Parameter(stand_in, requires_grad=False))
-        stand_in.pipeline_replaced_by = transform.name  # `jit` refuses a model holding stand-ins
-        if trains:  # the new tensors train: an optimizer holding the old or the stand-in is refused
-            stand_in.pipeline_trains_instead = param.pipeline_trains_instead = transform.name
-            _check_optimizers()
+        # `jit` refuses a model holding either, and so does an optimizer's step (`_refuse_stale_optimizer`)
+        stand_in.pipeline_replaced_by = param.pipeline_replaced_by = transform.name
+        _check_optimizers()
     if casts:
         warnings.warn(f"materialize: loading the checkpoint: {casts_message(casts)}", PipelineWarning, stacklevel=2)
     return replaced
@@ -73,11 +72,12 @@ def _check_optimizers():
 
 def _refuse_stale_optimizer(optimizer, args, kwargs) -> None:
     """An optimizer over parameters a model transform replaced (built before `jit`, or from the model's stand-ins
-    after it) would step tensors the compiled code never reads: training would silently change nothing."""
-    if stale := {p.pipeline_trains_instead for g in optimizer.param_groups for p in g["params"]
-                 if hasattr(p, "pipeline_trains_instead")}:
+    after it) steps tensors the compiled code never reads: what they stood for would silently not train."""
+    if stale := {p.pipeline_replaced_by for g in optimizer.param_groups for p in g["params"]
+                 if hasattr(p, "pipeline_replaced_by")}:
         raise RuntimeError(f"{type(optimizer).__name__} holds parameters that {', '.join(sorted(stale))} replaced, "
-                           f"which nothing trains: build the optimizer from the jitted model's parameters, after jit")
+                           f"which nothing trains: build it after jit from the jitted model's parameters, "
+                           f"cm.parameters() (a parent module's parameters() does not reach them: add them to its list)")
 
 
 def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:
@@ -98,8 +98,9 @@ def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:
                                  f"submodule), which it would untie: untie them or leave them out of {transform.name}")
             claimed[qualname] = (module_prefix, module, attr, param, transform)
     used = {id(p) for *_, transform in claimed.values() for p in transform.parts()}
-    if idle := [p.name for t in transforms for p in t.parts() if id(p) not in used]:
-        raise ValueError(f"{idle[0]} applies to no parameter of {type(model).__name__}, so it would change nothing: "
+    if idle := [p for t in transforms for p in t.parts() if id(p) not in used]:
+        raise ValueError(f"{idle[0].name} applies to no parameter of {type(model).__name__} (it changes "
+                         f"{idle[0].targets}), so it would change nothing: "
                          f"leave it out of transforms=[...], or jit the module whose parameters it should change")
     if refused:
         names = [r for _, r in refused]

@@ -110,6 +110,14 @@ def test_a_chain_that_cannot_compose_names_the_parameter_both_transforms_and_why
         pipeline.jit(model, executors=["torch"], transforms=[fake_fsdp(), quantize("int8")])
 
 
+def test_fsdp_on_a_frozen_model_says_it_found_nothing_to_shard_and_why():
+    """It used to be skipped silently: a frozen model trains nothing, so fsdp shards nothing."""
+    model = Llama(LlamaConfig()).eval().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"fsdp\(2 ranks\) applies to no parameter of Llama \(it changes "
+                                         r"floating-point parameters of one dim or more that require grad\)"):
+        pipeline.jit(model, executors=["torch"], transforms=[quantize("int8"), fake_fsdp()])
+
+
 def test_a_chain_object_is_the_list_and_applies_part_by_part():
     from transforms.chain import Chain, for_parameter
     model = Llama(LlamaConfig())

@@ -405,7 +405,8 @@ def test_an_optimizer_over_replaced_parameters_is_refused_at_its_step():
     before = torch.optim.SGD(model.parameters(), lr=0.1)
     cm = pipeline.jit(model, executors=["torch"], transforms=[_Renamed()])
     cm(torch.randn(3, 4)).sum().backward()
-    for stale in (before, torch.optim.SGD(model.parameters(), lr=0.1)):
+    parent = nn.Sequential(cm, nn.Linear(2, 2))  # its parameters() reach the stand-ins, not the new tensors
+    for stale in (before, torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(parent.parameters())):
         with pytest.raises(RuntimeError, match="SGD holds parameters that renamed replaced, which nothing trains"):
             stale.step()
     weights = [p for n, p in cm.named_parameters() if n.endswith(".w")]
@@ -413,3 +414,14 @@ def test_an_optimizer_over_replaced_parameters_is_refused_at_its_step():
     start = [w.detach().clone() for w in weights]
     torch.optim.SGD(cm.parameters(), lr=0.1).step()  # the jitted model's parameters: trains
     assert all(not torch.equal(w, s) for w, s in zip(weights, start))
+
+
+def test_an_optimizer_built_before_quantize_is_refused_too():
+    """Eager training after `jit(model.eval(), transforms=[quantize()])` for evaluation: the model's linears are stand-ins
+    now, and the optimizer built before would train the rest around zero weights without a word."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LayerNorm(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pipeline.jit(model.eval(), executors=["torch"], transforms=[quantize()])(torch.randn(2, 4))
+    model.train()(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"quantize\(int8\) replaced, which nothing trains"):
+        opt.step()

@@ -18,6 +18,7 @@ from .model_transform import ModelTransform
 
 class FSDP(ModelTransform):
     trainable = True
+    targets = "floating-point parameters of one dim or more that require grad"
 
     def __init__(self, process_group=None):
         if not dist.is_available() or not dist.is_initialized():

@@ -12,6 +12,7 @@ class ModelTransform:
     name = "model_transform"
     trainable = False  # whether the new tensors are trained (FSDP shards) or frozen (quantized weights)
     extra: tuple[str, ...] = ()  # suffixes of new tensors a state dict carries (`_extra_state`), e.g. scales
+    targets = "parameters"  # what `applies_to` accepts, for the error when it accepts nothing in a model
     rowwise = False  # encode/decode treat each row (dim 0) on its own, so they commute with row sharding
 
     def applies_to(self, module: torch.nn.Module, qualname: str, param: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ _FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 class WeightOnlyQuantization(ModelTransform):
     extra = ("scale",)
     rowwise = True  # one scale per output channel (row)
+    targets = "the floating-point weights of nn.Linear modules"
 
     def __init__(self, kind: str):
         if kind not in _FORMATS:
