@@ -68,6 +68,20 @@ def test_state_dict_round_trip_is_bit_identical(llama_and_tokens):
         assert torch.equal(param, before[name]), name
 
 
+def test_an_edited_weight_loaded_with_its_old_scale_is_not_clipped(llama_and_tokens):
+    """Rows that outgrew their saved scale get a fresh one (they were clamped to the old range); the others keep it."""
+    model, _ = llama_and_tokens
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    state = cm.state_dict()
+    key, scale_key = "layers.0.attn.wq.weight", "layers.0.attn.wq._extra_state.weight_scale"
+    edited = state[key].clone()
+    edited[:8] *= 4
+    cm.load_state_dict({**state, key: edited})
+    reloaded = cm.state_dict()
+    assert relative_error(reloaded[key], edited) < 0.01
+    assert torch.equal(reloaded[scale_key][8:], state[scale_key][8:])
+
+
 def test_state_dict_keys_are_the_originals_plus_one_scale_per_linear(llama_and_tokens):
     model, _ = llama_and_tokens
     original = set(model.state_dict())

@@ -34,9 +34,11 @@ class WeightOnlyQuantization(ModelTransform):
                 if value.dim() != 2 or not value.is_floating_point() else None)
 
     def encode(self, value, like: Optional[dict[str, torch.Tensor]] = None):
+        slack = 1 + 2 * torch.finfo(value.dtype).eps  # what a round trip through the weight's dtype may add
         value = value.detach().float()
-        scale = (like["scale"] if like is not None
-                 else value.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / self.qmax)
+        scale = value.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / self.qmax
+        if like is not None:  # the loaded scale stays (bit-identical round trips) unless a row outgrew it (edited)
+            scale = torch.where(scale > like["scale"].to(scale) * slack, scale, like["scale"].to(scale))
         scaled = value / scale
         q = (scaled.round() if self.dtype is torch.int8 else scaled).clamp(-self.qmax, self.qmax).to(self.dtype)
         return {"q": q, "scale": scale.to(torch.float32)}
