@@ -115,6 +115,9 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
                                    cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks, autotune=autotune))
     for message in skipped:  # a listed executor missing here is a fallback: counted, warned, or raised
         report_fallback(state, message)
+    # Dynamo's default guards no module hooks, so one registered after the first call was ignored; guarding them costs
+    # a few checks per call. Process-wide: torch.compile'd code in the same process guards its hooks too.
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)
     else:

@@ -425,3 +425,18 @@ def test_an_optimizer_built_before_quantize_is_refused_too():
     model.train()(torch.randn(2, 4)).sum().backward()
     with pytest.raises(RuntimeError, match=r"quantize\(int8\) replaced, which nothing trains"):
         opt.step()
+
+
+def test_a_module_hook_registered_after_the_first_call_runs():
+    """Dynamo's default guards no hooks: a hook added or removed after the first call was ignored (as under
+    torch.compile), and the model silently ran without it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    cm, x = pipeline.jit(model, executors=["torch"]), torch.randn(2, 4)
+    cm(x)
+    for register, hook in ((model[0].register_forward_hook, lambda m, i, o: o * 0),
+                           (model[0].register_forward_pre_hook, lambda m, i: (i[0] * 2,)),
+                           (model.register_forward_hook, lambda m, i, o: o + 1)):
+        handle = register(hook)
+        torch.testing.assert_close(cm(x), model(x))
+        handle.remove()
+        torch.testing.assert_close(cm(x), model(x))
