@@ -213,15 +213,17 @@ def _gelu_backward(fd, node, grad, x, approximate="none"):
     return fd.ops.mul(grad, fd.ops.add(cdf, fd.ops.mul(x, pdf)))
 
 
-_op(aten.sum.dim_IntList, aten.sum.default)(
-    lambda fd, node, x, dims=None, keepdim=False, dtype=None: fd.ops.sum(x, _dims(dims, _rank(node)), keepdim))
+# nvFuser rejects a reduction over no axis: a 0-dim tensor's sum, mean, amax or amin is the tensor itself
+_op(aten.sum.dim_IntList, aten.sum.default)(lambda fd, node, x, dims=None, keepdim=False, dtype=None: fd.ops.sum(
+    x, _dims(dims, _rank(node)), keepdim) if _rank(node) else x)
 
 
 @_op(aten.mean.default)
 @_op(aten.mean.dim, checker=_static_shapes)
 def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
-    dims = _dims(dims, _rank(node))
-    total = fd.ops.sum(x, dims, keepdim)
+    if not _rank(node):
+        return x
+    total = fd.ops.sum(x, dims := _dims(dims, _rank(node)), keepdim)
     count = math.prod(node_value(node.args[0]).shape[d] for d in dims)
     if not isinstance(count, int):
         raise NotImplementedError("nvfuser: mean over a symbolic size")
@@ -231,7 +233,7 @@ def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
 @_op(aten.amax.default, aten.amin.default)
 def _amax_or_amin(fd, node, x, dims=(), keepdim=False):
     reduce = fd.ops.max if node.target is aten.amax.default else fd.ops.min
-    return reduce(x, _dims(dims, _rank(node)), keepdim)
+    return reduce(x, _dims(dims, _rank(node)), keepdim) if _rank(node) else x
 
 
 @_op(aten.var_mean.correction)
