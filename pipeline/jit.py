@@ -2,6 +2,7 @@
 wraps (`JittedModule`, `JittedFunction`), and calling it runs the compiled graphs."""
 
 import collections
+import copy
 import dataclasses
 import functools
 import inspect
@@ -123,7 +124,12 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     else:
         runner = torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=fullgraph,
                                dynamic=dynamic, **_own_recompile_budget())
-    return (JittedModule if isinstance(model_or_fn, torch.nn.Module) else JittedFunction)(model_or_fn, runner, state)
+    if not isinstance(model_or_fn, torch.nn.Module):
+        return JittedFunction(model_or_fn, runner, state)
+    again = functools.partial(jit, executors=executors, transforms=[t for t in transforms if not isinstance(t, Materialize)],
+                              fullgraph=fullgraph, dynamic=dynamic, cache=cache, cuda_graphs=cuda_graphs,
+                              fallback=fallback, autotune=autotune)
+    return JittedModule(model_or_fn, runner, state, again)
 
 
 def _own_recompile_budget() -> dict:
@@ -296,9 +302,9 @@ class JittedModule(torch.nn.Module):
     """A compiled `nn.Module`: shares parameters, buffers and submodules with the original (so
     `parameters()`, `state_dict()`, `train()`, `eval()` and optimizers work on the original tensors)."""
 
-    def __init__(self, model: torch.nn.Module, runner, state: CompileState):
+    def __init__(self, model: torch.nn.Module, runner, state: CompileState, again: Callable):
         super().__init__()
-        self.__dict__.update(_original=model, _runner=runner, _state=state)  # plain attributes, not submodules
+        self.__dict__.update(_original=model, _runner=runner, _state=state, _again=again)  # not submodules
         self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
         self.training = model.training
 
@@ -334,6 +340,17 @@ class JittedModule(torch.nn.Module):
             dtype = fn(torch.zeros(1, dtype=r.original.dtype)).dtype  # `original` stays on meta
             r.original = torch.empty(r.original.shape, dtype=dtype, device="meta")
         return self
+
+    def __deepcopy__(self, memo):
+        """A copy of the model jitted again: its own parameters and compiled state (the cache makes it start warm)."""
+        if self._state.config.replaced or any(e.extra_state() for e in self._state.config.executors):
+            raise TypeError("copy.deepcopy of a jitted model whose transforms or executors hold state of their own "
+                            "(quantize, fsdp, fp8 scaling): deep-copy the original model before jit, and jit the copy")
+        return self._again(copy.deepcopy(self._original, memo))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a jitted model does not pickle (its compiled code belongs to this process): save "
+                        "cm.state_dict() or pipeline.save(cm, path), and jit the model again where it is loaded")
 
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
         """The original model's state dict (keys and full shapes), whatever transforms did; under `prefix` (a parent

@@ -4,6 +4,7 @@ equals eager."""
 import copy
 import logging
 import os
+import pickle
 import warnings
 
 import pytest
@@ -440,3 +441,22 @@ def test_a_module_hook_registered_after_the_first_call_runs():
         torch.testing.assert_close(cm(x), model(x))
         handle.remove()
         torch.testing.assert_close(cm(x), model(x))
+
+
+def test_deepcopy_of_a_jitted_model_is_an_independent_jitted_copy():
+    """It failed after a compiling call (FakeTensors in the compiled state), with an error about data pointers."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    cm, x = pipeline.jit(model, executors=["torch"], cache=False), torch.randn(3, 4)
+    cm(x)
+    twin = copy.deepcopy(cm)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # the copy has its own parameters
+    torch.testing.assert_close(twin(x), copy.deepcopy(twin._original)(x))
+    torch.testing.assert_close(cm(x), model(x))
+    assert not torch.allclose(twin(x), model(x))
+    assert [r.executor for r in pipeline.regions(twin)] == ["torch"]
+    with pytest.raises(TypeError, match="a jitted model does not pickle"):
+        pickle.dumps(cm)
+    quantized = pipeline.jit(nn.Sequential(nn.Linear(4, 4)).eval(), executors=["torch"], transforms=[quantize()])
+    with pytest.raises(TypeError, match="deep-copy the original model before jit, and jit the copy"):
+        copy.deepcopy(quantized)
