@@ -82,6 +82,19 @@ def test_an_edited_weight_loaded_with_its_old_scale_is_not_clipped(llama_and_tok
     assert torch.equal(reloaded[scale_key][8:], state[scale_key][8:])
 
 
+def test_a_bf16_row_grown_by_less_than_bf16_noise_is_not_clipped_either():
+    """A tolerance of bf16's own rounding (1.6%) kept the old scale for a row grown by one bf16 step and clipped it."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2)).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, 0.5, -0.25, 0.125], [0.5, 0.5, 0.5, 0.5]]))
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    state = cm.state_dict()
+    edited = state["0.weight"].clone()
+    edited[0, 0] = 1 + 2 ** -7  # the next bf16 value after 1.0: 128.0 at the old scale, clipped to 127 before
+    cm.load_state_dict({**state, "0.weight": edited})
+    assert abs(cm.state_dict()["0.weight"][0, 0].item() - edited[0, 0].item()) <= (1 + 2 ** -7) / 127 / 2
+
+
 def test_state_dict_keys_are_the_originals_plus_one_scale_per_linear(llama_and_tokens):
     model, _ = llama_and_tokens
     original = set(model.state_dict())

@@ -12,7 +12,9 @@ from ir.rewrite import add_call
 from .base import pass_factory
 from .model_transform import ModelTransform
 
-_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+# dtype, largest value, and how far past it a value may land and still round to it (half a step: 1 for int8, 32 at
+# e4m3's top): a loaded scale stays unless the row would clip by more than that
+_FORMATS = {"int8": (torch.int8, 127.0, 0.5), "fp8": (torch.float8_e4m3fn, 448.0, 16.0)}
 
 
 class WeightOnlyQuantization(ModelTransform):
@@ -24,7 +26,7 @@ class WeightOnlyQuantization(ModelTransform):
         if kind not in _FORMATS:
             raise ValueError(f"quantize: kind must be one of {sorted(_FORMATS)}, got {kind!r}")
         self.kind, self.name = kind, f"quantize({kind})"
-        self.dtype, self.qmax = _FORMATS[kind]
+        self.dtype, self.qmax, self.rounding = _FORMATS[kind]
 
     def applies_to(self, module, qualname, param) -> bool:
         return isinstance(module, torch.nn.Linear) and qualname.endswith("weight") and param.is_floating_point()
@@ -34,11 +36,11 @@ class WeightOnlyQuantization(ModelTransform):
                 if value.dim() != 2 or not value.is_floating_point() else None)
 
     def encode(self, value, like: Optional[dict[str, torch.Tensor]] = None):
-        slack = 1 + 2 * torch.finfo(value.dtype).eps  # what a round trip through the weight's dtype may add
         value = value.detach().float()
         scale = value.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / self.qmax
         if like is not None:  # the loaded scale stays (bit-identical round trips) unless a row outgrew it (edited)
-            scale = torch.where(scale > like["scale"].to(scale) * slack, scale, like["scale"].to(scale))
+            old = like["scale"].to(scale)
+            scale = torch.where(scale * self.qmax <= old * (self.qmax + self.rounding), old, scale)
         scaled = value / scale
         q = (scaled.round() if self.dtype is torch.int8 else scaled).clamp(-self.qmax, self.qmax).to(self.dtype)
         return {"q": q, "scale": scale.to(torch.float32)}
