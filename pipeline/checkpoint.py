@@ -22,7 +22,7 @@ def save(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None) ->
     from safetensors.torch import save_file
 
     sharded = _row_sharded(cm)
-    rank, world = _rank_world(sharded)
+    rank, world, group = _rank_world(sharded)
     tensors, metadata, rows = {}, {"format": "pt"}, {}
     for qualname, r in sharded.items():
         keys = {"": qualname, **r.extra_keys()}
@@ -39,6 +39,8 @@ def save(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None) ->
         os.makedirs(path, exist_ok=True)
         path = os.path.join(path, f"rank{rank}-of-{world}.safetensors")
     save_file(tensors, path, metadata=metadata)
+    if world > 1:  # no rank returns before every rank file is whole: a load right after reads them all
+        torch.distributed.barrier(group)
 
 
 def load(cm, path: str, *, optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True):
@@ -86,9 +88,11 @@ class Checkpoint(contextlib.ExitStack):
         self.files = sorted(glob.glob(os.path.join(path, "rank*-of-*.safetensors"))) if os.path.isdir(path) else [path]
         if not self.files:
             raise FileNotFoundError(f"{path} holds no rank files")
-        worlds = {re.search(r"-of-(\d+)\.safetensors$", f).group(1) for f in self.files} if len(self.files) > 1 else set()
+        worlds = {int(re.search(r"-of-(\d+)\.safetensors$", f).group(1)) for f in self.files} if os.path.isdir(path) else {1}
         if len(worlds) > 1:
             raise ValueError(f"{path} mixes files saved by {sorted(worlds)} ranks; keep one save per folder")
+        if len(self.files) != (world := worlds.pop()):  # a save still being written, or a file lost
+            raise ValueError(f"{path} holds {len(self.files)} of the {world} rank files its save wrote")
         self.metadata: dict = {}
         self.whole: dict = {}   # key -> open file
         self.parts: dict = {}   # key -> [(start, stop, open file)]
@@ -195,13 +199,13 @@ def _row_sharded(cm) -> dict:
     return {q: r for q, r in replaced.items() if r.transform.row_shard(r.original) is not None}
 
 
-def _rank_world(sharded) -> tuple[int, int]:
+def _rank_world(sharded) -> tuple[int, int, object]:
     if not sharded:
-        return 0, 1
+        return 0, 1, None
     t = next(iter(sharded.values())).transform
     while hasattr(t, "then"):  # a chain: the sharding transform comes last
         t = t.then
-    return t.rank, t.world
+    return t.rank, t.world, getattr(t, "group", None)
 
 
 def _storable(value, what: str) -> torch.Tensor:

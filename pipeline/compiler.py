@@ -102,6 +102,9 @@ class PipelineBackend:
         recompile = compile_id is not None and bool(getattr(compile_id, "frame_compile_id", 0))
         state.history.recompiles += recompile
         state.history.records.append(record)
+        if torch._dynamo.config.skip_nnmodule_hook_guards:  # by default a hook added (or removed) after this
+            torch._dynamo.config.skip_nnmodule_hook_guards = False  # compile would be ignored; `jit._call` restores it
+            state.history.hook_guards_lent = True
         start = time.perf_counter()
         log.info("%s: captured %d ops (Dynamo frame %s)", record.graph_id,
                  sum(n.op.startswith("call") for n in gm.graph.nodes), record.compile_id)

@@ -61,6 +61,7 @@ class CallHistory:
     generalized: bool = False                # whether a shape change already made inputs dynamic
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # every fallback, in order
     calls: int = 0                           # calls of the jitted model that returned
+    hook_guards_lent: bool = False           # the backend turned Dynamo's module hook guards on for this call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +117,6 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
                                    cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks, autotune=autotune))
     for message in skipped:  # a listed executor missing here is a fallback: counted, warned, or raised
         report_fallback(state, message)
-    # Dynamo's default guards no module hooks, so one registered after the first call was ignored; guarding them costs
-    # a few checks per call. Process-wide: torch.compile'd code in the same process guards its hooks too.
-    torch._dynamo.config.skip_nnmodule_hook_guards = False
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         runner = GradCapture(model_or_fn, state)
     else:
@@ -228,6 +226,8 @@ def _call(runner, state: CompileState, args, kwargs):
         raise
     finally:
         gave_up = _give_ups.calls.pop()
+        if history.hook_guards_lent:  # back to Dynamo's default for other code, once this call's guards are built
+            torch._dynamo.config.skip_nnmodule_hook_guards, history.hook_guards_lent = True, False
     history.calls += 1
     if config.autotune:
         save_changed()
@@ -346,7 +346,15 @@ class JittedModule(torch.nn.Module):
         if self._state.config.replaced or any(e.extra_state() for e in self._state.config.executors):
             raise TypeError("copy.deepcopy of a jitted model whose transforms or executors hold state of their own "
                             "(quantize, fsdp, fp8 scaling): deep-copy the original model before jit, and jit the copy")
-        return self._again(copy.deepcopy(self._original, memo))
+        twin = self._again(copy.deepcopy(self._original, memo))
+        own = {k: v for k, v in self.__dict__.items() if k not in twin.__dict__ or "hook" in k}
+        twin.__dict__.update(copy.deepcopy(own, memo))  # hooks registered on the jitted model, attributes set on it
+        return twin
+
+    def __copy__(self):  # a second handle on the same jitted model (`__reduce_ex__` refuses pickling, not this)
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a jitted model does not pickle (its compiled code belongs to this process): save "
@@ -398,6 +406,9 @@ class JittedFunction:
 
     def __call__(self, *args, **kwargs):
         return _call(self._runner, self._state, args, kwargs)
+
+    def __deepcopy__(self, memo):
+        return self  # a function copies as itself (its compiled state holds FakeTensors, which do not copy)
 
     def __repr__(self) -> str:
         return f"<jitted {getattr(self._original, '__qualname__', self._original)!r}>"

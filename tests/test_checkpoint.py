@@ -111,3 +111,12 @@ def test_optimizer_state_of_a_zero_dim_parameter_resumes(tmp_path):
     step(cm, opt, x)
     step(resumed_cm, resumed_opt, x)
     assert torch.equal(resumed.temperature, model.temperature) and torch.equal(resumed.linear.weight, model.linear.weight)
+
+
+def test_a_folder_missing_a_rank_file_is_refused_by_name(tmp_path):
+    """A load that raced a save still being written (or a lost file) read the rows it found and broke on the rest."""
+    from safetensors.torch import save_file
+    save_file({"model.w": torch.zeros(2, 2)}, str(tmp_path / "rank0-of-2.safetensors"), metadata={"rows": "{}"})
+    cm = pipeline.jit(torch.nn.Linear(2, 2), executors=["torch"])
+    with pytest.raises(ValueError, match="holds 1 of the 2 rank files its save wrote"):
+        pipeline.load(cm, str(tmp_path))

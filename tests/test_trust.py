@@ -441,6 +441,7 @@ def test_a_module_hook_registered_after_the_first_call_runs():
         torch.testing.assert_close(cm(x), model(x))
         handle.remove()
         torch.testing.assert_close(cm(x), model(x))
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # Dynamo's default, for other code, after each call
 
 
 def test_deepcopy_of_a_jitted_model_is_an_independent_jitted_copy():
@@ -455,6 +456,14 @@ def test_deepcopy_of_a_jitted_model_is_an_independent_jitted_copy():
     torch.testing.assert_close(cm(x), model(x))
     assert not torch.allclose(twin(x), model(x))
     assert [r.executor for r in pipeline.regions(twin)] == ["torch"]
+    cm.register_forward_hook(lambda m, i, o: o * 0)  # on the jitted model: the copy keeps it
+    cm.note = "kept"
+    assert not copy.deepcopy(cm)(x).any() and copy.deepcopy(cm).note == "kept"
+    shallow = copy.copy(cm)
+    assert shallow._state is cm._state and not shallow(x).any()
+    jitted_fn = pipeline.jit(lambda v: v.relu(), executors=["torch"])
+    jitted_fn(x)
+    assert copy.deepcopy(jitted_fn) is jitted_fn
     with pytest.raises(TypeError, match="a jitted model does not pickle"):
         pickle.dumps(cm)
     quantized = pipeline.jit(nn.Sequential(nn.Linear(4, 4)).eval(), executors=["torch"], transforms=[quantize()])
