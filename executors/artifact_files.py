@@ -77,8 +77,7 @@ class Skipped(Exception):
 
 def check_owned(path: str, st: os.stat_result, what: str, private: bool = False) -> None:
     """Raises `Untrusted` unless `st` (of `path`) is ours, not group/other-writable (nor -readable if `private`)."""
-    uid = os.getuid()
-    if st.st_uid != uid:
+    if st.st_uid != (uid := os.getuid()):
         raise Untrusted(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {uid}); "
                         f"remove it, or point PIPELINE_CACHE_DIR at a directory of your own")
     if st.st_mode & (0o077 if private else 0o022):

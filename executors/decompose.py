@@ -98,8 +98,7 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
         if node.op != "call_function":
             continue
         if isinstance(node.target, torch._ops.OpOverload) and (node.target in table or _is_composite(node.target)):
-            key = _signature(node)
-            if key not in traced:
+            if (key := _signature(node)) not in traced:
                 try:
                     traced[key] = decompose_node(node, table)
                 except Exception as e:

@@ -23,8 +23,7 @@ def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int], may_alias: s
         own = _storage_of(node)
         memory[node] = {own} if own is not None else set()
         if node.op == "call_function" and node.target is operator.getitem:
-            region = node.args[0]
-            if region.op == "call_module" and region.meta.get("executor") in may_alias:
+            if (region := node.args[0]).op == "call_module" and region.meta.get("executor") in may_alias:
                 for a in region.args:
                     memory[node] |= memory.get(a, set()) if isinstance(a, fx.Node) else set()
     last_read: dict = {}  # storage -> position of the last node reading a tensor in it

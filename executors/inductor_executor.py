@@ -240,8 +240,7 @@ def _kernel_dir(path: str | None):
 def _put_verified(root: str, rel: str, content: bytes) -> None:
     """`content` at `root/rel`: a file already there is kept only if its bytes hash the same (a
     library is loaded from that path next); otherwise written (0600) in place atomically."""
-    path = os.path.normpath(os.path.join(root, rel))
-    if not path.startswith(root + os.sep):
+    if not (path := os.path.normpath(os.path.join(root, rel))).startswith(root + os.sep):
         raise ValueError(f"artifact file {rel!r} lies outside the kernel directory")
     with contextlib.suppress(OSError, Skipped, Untrusted):  # else (absent, a link, not ours) written anew
         if read_file(path, "kernel file") == content:

@@ -77,8 +77,7 @@ class _FusionRunner:
         self.promised = promised_strides(gm)
 
     def __call__(self, *args):
-        key = _key(args)
-        if (fd := self.fusions.get(key)) is None:
+        if (fd := self.fusions.get(key := _key(args))) is None:
             try:
                 fd = _build(self.gm, args)
                 with kernel_store.compiling() as options:

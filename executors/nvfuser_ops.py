@@ -224,8 +224,7 @@ def _mean(fd, node, x, dims=None, keepdim=False, dtype=None):
     if not _rank(node):
         return x
     total = fd.ops.sum(x, dims := _dims(dims, _rank(node)), keepdim)
-    count = math.prod(node_value(node.args[0]).shape[d] for d in dims)
-    if not isinstance(count, int):
+    if not isinstance(count := math.prod(node_value(node.args[0]).shape[d] for d in dims), int):
         raise NotImplementedError("nvfuser: mean over a symbolic size")
     return fd.ops.truediv(total, float(count))
 

@@ -207,8 +207,7 @@ class _RegionBuilder:
         names = [e.name for e in self.listed]  # those before region.executor declined it already
         if region.executor not in names or why_not_raced(source):
             return None
-        others = [e for e in self.listed[names.index(region.executor) + 1:] if _claims_all(e, source)]
-        if not others:
+        if not (others := [e for e in self.listed[names.index(region.executor) + 1:] if _claims_all(e, source)]):
             return None
         start, example_inputs = time.perf_counter(), _example_inputs(source)
         candidates = [(self.by_name[region.executor], fn)]

@@ -16,8 +16,7 @@ class ResultCheck:
     """What one region's outputs must be, and how to get a replacement when they are not."""
 
     def __init__(self, source: fx.GraphModule, region: Region, replace: Optional[Callable[[str], Callable]]):
-        out = list(source.graph.nodes)[-1].args[0]
-        self.expected = [node_value(a) if isinstance(a, fx.Node) else a for a in out]
+        self.expected = [node_value(a) if isinstance(a, fx.Node) else a for a in list(source.graph.nodes)[-1].args[0]]
         self.region, self.replace = region, replace
         self.every_call = os.environ.get("PIPELINE_DEBUG", "") not in ("", "0")
         self.donated = donated_inputs(source)
@@ -63,9 +62,7 @@ def _difference(want, got) -> str:
         if ok and isinstance(want, int) and got != want:
             return f"expected {want}, got {got}"
         return "" if ok else f"expected an int, got {type(got).__name__}"
-    if want is None and got is not None:
-        return f"expected None, got {type(got).__name__}"
-    return ""
+    return f"expected None, got {type(got).__name__}" if want is None and got is not None else ""
 
 
 def _same_device(want: torch.device, got: torch.device) -> bool:

@@ -32,8 +32,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if not fp8:
         y = general_gemm(weight, x2, out_dtype=x.dtype, layout="TN", bias=bias)[0]
         return [y.view(shape)]
-    state = delayed_state(scaling) if scaling >= 0 else None
-    if state is None:
+    if (state := delayed_state(scaling) if scaling >= 0 else None) is None:
         qx = qw = current_quantizer("e4m3", columnwise=False)
     else:
         qx, qw = state.forward_quantizers(index, x.device)

@@ -63,8 +63,7 @@ class _Names:
         self.taken: set[str] = set()
 
     def bind(self, node: fx.Node, preferred: str | None = None) -> str:
-        name = _identifier(preferred or node.name)
-        if name in self.taken or name in _RESERVED:
+        if (name := _identifier(preferred or node.name)) in self.taken or name in _RESERVED:
             name = f"{name}_{len(self.taken)}"
         self.taken.add(name)
         self.of[node] = name
@@ -156,6 +155,4 @@ def _format(a: Any, names: _Names) -> str:
         return f"device({str(a)!r})"
     if isinstance(a, slice):
         return f"slice({_format(a.start, names)}, {_format(a.stop, names)}, {_format(a.step, names)})"
-    if a is Ellipsis:
-        return "..."
-    return repr(a)
+    return "..." if a is Ellipsis else repr(a)

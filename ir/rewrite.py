@@ -71,8 +71,7 @@ def match(pattern: Call | Either, value: Any) -> Optional[Match]:
 def _match(pattern, value, m: Match) -> bool:
     if isinstance(pattern, Either):
         for option in pattern:
-            trial = Match(m.root, m, m.nodes)
-            if _match(option, value, trial):
+            if _match(option, value, trial := Match(m.root, m, m.nodes)):
                 m.update(trial)
                 m.nodes[:] = trial.nodes
                 return True
@@ -81,8 +80,7 @@ def _match(pattern, value, m: Match) -> bool:
         return m.setdefault(pattern, value) is value
     if not isinstance(pattern, Call):
         return bool(pattern(value))
-    args = pattern.arguments(value) if isinstance(value, fx.Node) else None
-    if args is None:
+    if not isinstance(value, fx.Node) or (args := pattern.arguments(value)) is None:
         return False
     m.nodes.append(value)
     return (pattern.bind is None or _match(pattern.bind, value, m)) and all(

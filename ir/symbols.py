@@ -36,8 +36,7 @@ def unbound_symbols(gm: fx.GraphModule) -> list[UnboundSymbol]:
     """The symbols `gm`'s values and arguments refer to that its inputs do not bind, each with the
     first node referring to it, in graph order; [] for a graph of static shapes."""
     nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    if _static(placeholders):
+    if _static(placeholders := [n for n in nodes if n.op == "placeholder"]):
         return []
     bound = set().union(*(binds(node_value(p)) for p in placeholders)) if placeholders else set()
     missing: dict[Any, UnboundSymbol] = {}

@@ -159,8 +159,7 @@ def output_ancestors(gm: fx.GraphModule, count: int) -> set[fx.Node]:
     stack = [a for a in gm.graph.output_node().args[0][:count] if isinstance(a, fx.Node)]
     seen: set[fx.Node] = set()
     while stack:
-        node = stack.pop()
-        if node not in seen:
+        if (node := stack.pop()) not in seen:
             seen.add(node)
             stack.extend(node.all_input_nodes)
     return seen

@@ -74,9 +74,7 @@ def _single_region(gm: fx.GraphModule):
         if isinstance(a, fx.Node):
             if a in position:
                 return ("input", position[a])
-            if a.op == "call_function":
-                return ("output", a.args[1])
-            return None
+            return ("output", a.args[1]) if a.op == "call_function" else None
         return ("constant", a)
 
     ins = [source(a) for a in calls[0].args]

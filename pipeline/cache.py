@@ -128,8 +128,7 @@ def function_identity(fn, name: str, depth: int = 0) -> str:
     except (OSError, TypeError) as e:
         raise Uncacheable(f"pass {name!r}: its source cannot be read ({e})") from None
     cells = [c.cell_contents for c in (target.__closure__ or ()) if _cell_filled(c)]
-    digest = hashlib.sha256(source.encode()).hexdigest()
-    return (f"{target.__module__}.{target.__qualname__} {digest} "
+    return (f"{target.__module__}.{target.__qualname__} {hashlib.sha256(source.encode()).hexdigest()} "
             f"{stable_repr(cells, name, depth + 1)} {stable_repr(target.__defaults__, name, depth + 1)}")
 
 

@@ -54,8 +54,7 @@ def secret(root: str) -> bytes:
     path = os.path.join(root, SECRET_NAME)
     for _ in range(2):
         with contextlib.suppress(FileNotFoundError):
-            data = read_file(path, "cache key", private=True, limit=4096)
-            if len(data) != 32:
+            if len(data := read_file(path, "cache key", private=True, limit=4096)) != 32:
                 raise Untrusted(f"cache key {path} is not a key this pipeline made ({len(data)} bytes); remove it")
             return data
         fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-", suffix=".key")
@@ -78,8 +77,7 @@ def seal(key: bytes, name: str, payload: bytes, magic: bytes) -> bytes:
 
 def unseal(key: bytes, name: str, data: bytes, magic: bytes) -> Optional[bytes]:
     """The payload `seal` wrapped, or None when `data` is not what this key sealed under `name`."""
-    header = len(magic) + 64 + 1
-    if len(data) < header or not data.startswith(magic) or data[header - 1:header] != b"\n":
+    if len(data) < (header := len(magic) + 64 + 1) or not data.startswith(magic) or data[header - 1:header] != b"\n":
         return None
     payload = data[header:]
     return payload if hmac.compare_digest(data[len(magic):header - 1], _mac(key, name, payload)) else None

@@ -194,8 +194,7 @@ def _param_rows(cm) -> dict[int, tuple[int, int]]:
 
 def _row_sharded(cm) -> dict:
     """The replaced parameters of which this rank holds only some rows."""
-    state = getattr(cm, "_state", None)
-    replaced = state.config.replaced if state is not None else {}
+    replaced = cm._state.config.replaced if hasattr(cm, "_state") else {}
     return {q: r for q, r in replaced.items() if r.transform.row_shard(r.original) is not None}
 
 

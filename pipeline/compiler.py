@@ -144,8 +144,7 @@ class PipelineBackend:
         timed_verify(record, trace)
         metadata = wrapper_metadata(wrappers)
         bound = self._bound_again(cache, record)  # a warm start binds what prepare bound, without preparing
-        warm = bound and self._warm_start(cache, example_inputs, metadata, record)
-        if not warm:
+        if not (warm := bound and self._warm_start(cache, example_inputs, metadata, record)):
             trace, may_load = self._prepare(trace, cache, record)
             warm = may_load and not bound and self._warm_start(cache, example_inputs, metadata, record)
         if warm:

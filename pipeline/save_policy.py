@@ -25,8 +25,7 @@ def recompute_upcasts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     for node in joint.graph.nodes:
         if node not in forward or node.op != "call_function" or "recompute" in node.meta:
             continue
-        value = node_value(node)
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or is_random(node):
+        if not isinstance(value := node_value(node), torch.Tensor) or value.dtype != torch.float32 or is_random(node):
             continue
         if node.target in _UPCASTS:
             if isinstance(source := node_value(node.args[0]), torch.Tensor) and source.dtype in _HALF:

@@ -35,8 +35,7 @@ def lowered_input_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stage
 
 
 def _lowered_input_spec(node: fx.Node, position: int, captured: Sequence[InputSpec], stage: Stage) -> InputSpec:
-    desc = node.meta.get("desc")
-    if isinstance(desc, BackwardTokenAOTInput) or (desc is not None and desc.is_tangent()):
+    if isinstance(desc := node.meta.get("desc"), BackwardTokenAOTInput) or (desc is not None and desc.is_tangent()):
         return InputSpec(InputKind.TANGENT, node.name)
     if isinstance(desc, _SEEDS) or isinstance(node_value(node), torch.Generator):  # graph-safe RNG state
         return InputSpec(InputKind.SEED, node.name)

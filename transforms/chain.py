@@ -26,8 +26,7 @@ class Chain(ModelTransform):
     def check(self, qualname: str, original: torch.Tensor) -> None:
         """Raises if `then` cannot take what `first` produces for parameter `qualname`."""
         for suffix, mid in self._mids(original).items():
-            why = self.then.cannot_encode(mid)
-            if why is None and self.then.extra:
+            if (why := self.then.cannot_encode(mid)) is None and self.then.extra:
                 why = f"it would keep its own state ({', '.join(self.then.extra)}) for an intermediate tensor"
             if why is not None:
                 raise ValueError(f"{qualname}: {self.then.name} cannot follow {self.first.name}: on the "
