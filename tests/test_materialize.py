@@ -182,6 +182,24 @@ def test_a_tensor_reset_parameters_leaves_unset_in_part_complex_or_integer_is_na
         pipeline.jit(model, executors=["torch"], transforms=[materialize()])
 
 
+def test_a_table_reset_parameters_fills_with_both_infinities_is_not_taken_for_unset():
+    """The unset check sums each tensor first; +inf and -inf sum to NaN, so a NaN sum is confirmed element-wise."""
+    class Bounds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("bounds", torch.tensor([float("-inf"), float("inf")]), persistent=False)
+
+        def reset_parameters(self):
+            self.bounds.copy_(torch.tensor([float("-inf"), float("inf")]))
+
+        def forward(self, x):
+            return x.clamp(*self.bounds)
+
+    with torch.device("meta"):
+        model = Bounds()
+    assert pipeline.jit(model, executors=["torch"], transforms=[materialize()])(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
 def test_with_a_checkpoint_reset_parameters_owes_only_what_the_file_cannot_hold(tmp_path):
     """The file gives `w`: a `reset_parameters` that rebuilds only the non-persistent tables is enough."""
     eager = _Tables()

@@ -129,7 +129,7 @@ def _poison(t: torch.Tensor) -> bool:
 
 def _poisoned(t: torch.Tensor) -> bool:
     if t.is_floating_point() or t.is_complex():
-        return bool(t.sum().isnan())  # one reduction, no mask as large as the tensor
+        return bool(t.sum().isnan()) and bool(t.isnan().any())  # one reduction unless it finds a NaN (or +inf + -inf)
     return bool((t == torch.iinfo(t.dtype).min).any())
 
 
