@@ -83,9 +83,15 @@ class _Entry:
     out_spec: Any
 
 
+def _module_state(m: torch.nn.Module) -> tuple:
+    """What a capture bakes in of a submodule: train/eval and its hooks, by handle (one added later must recompile)."""
+    return m.training, *map(tuple, (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks))
+
+
 class GradCapture:
     """Callable that compiles and runs a model through `trace_through_grad`, one compilation per input signature
-    (shapes, dtypes, requires_grad, the global modes `cache.global_modes` names, each submodule's train/eval)."""
+    (shapes, dtypes, requires_grad, the global modes `cache.global_modes` names, each submodule's train/eval and
+    hooks)."""
 
     def __init__(self, model_or_fn, state):
         self.target, self.state = model_or_fn, state
@@ -96,7 +102,7 @@ class GradCapture:
         params = dict(module.named_parameters()) if module is not None else {}
         buffers = dict(module.named_buffers()) if module is not None else {}
         flat_args, in_spec = pytree.tree_flatten((args, kwargs))
-        key = (in_spec, global_modes(), tuple(m.training for m in module.modules()) if module is not None else None,
+        key = (in_spec, global_modes(), tuple(map(_module_state, module.modules())) if module is not None else None,
                tuple(_signature(v) for v in [*params.values(), *buffers.values(), *flat_args]))
         if (entry := self.cache.get(key)) is None:
             if self.cache:

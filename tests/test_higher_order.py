@@ -101,6 +101,19 @@ def test_force_training_matches_eager_with_inductor():
     assert {r.executor for r in pipeline.regions(cm)} == {"inductor"}
 
 
+def test_a_hook_added_or_removed_after_the_first_call_takes_effect_through_autograd_grad():
+    """This path keys its compilations on each submodule's hooks too: a later hook was silently ignored."""
+    model = Potential()
+    cm, positions = pipeline.jit(model, executors=["torch"], fallback="raise"), torch.randn(5, 3)
+    cm(positions.clone())
+    handle = model.hidden.register_forward_hook(lambda m, i, o: o * 2)
+    for _ in range(2):
+        for got, want in zip(cm(positions.clone()), model(positions.clone())):
+            torch.testing.assert_close(got, want)
+        handle.remove()
+    assert pipeline.compile_stats(cm).recompilations == 1  # with the hook; without it again is the first entry
+
+
 def test_switching_a_submodule_or_the_default_dtype_compiles_again():
     """The path through autograd.grad keys its compilations on every submodule's train/eval and the
     global modes, as Dynamo's guards do on the other path: a dropout switched off takes effect."""
