@@ -84,8 +84,10 @@ class _Entry:
 
 
 def _module_state(m: torch.nn.Module) -> tuple:
-    """What a capture bakes in of a submodule: train/eval and its hooks, by handle (one added later must recompile)."""
-    return m.training, *map(tuple, (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks))
+    """What a capture bakes in of a submodule: train/eval and its hooks, by handle (one added later must recompile);
+    the hook-less common case costs one `any` (this runs for every submodule at every call)."""
+    hooks = m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
+    return (m.training, *map(tuple, hooks)) if any(hooks) else m.training
 
 
 class GradCapture:

@@ -59,6 +59,7 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
         setattr(module, attr, stand_in := torch.nn.Parameter(stand_in, requires_grad=False))
         # `jit` refuses a model holding either, and so does an optimizer's step (`_refuse_stale_optimizer`)
         stand_in.pipeline_replaced_by = param.pipeline_replaced_by = transform.name
+    if replaced:
         _check_optimizers()
     if casts:
         warnings.warn(f"materialize: loading the checkpoint: {casts_message(casts)}", PipelineWarning, stacklevel=2)
