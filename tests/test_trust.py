@@ -432,7 +432,7 @@ def test_a_module_hook_registered_after_the_first_call_runs():
     """Dynamo's default guards no hooks: a hook added or removed after the first call was ignored (as under
     torch.compile), and the model silently ran without it."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    cm, x = pipeline.jit(model, executors=["torch"]), torch.randn(2, 4)
+    cm, x = pipeline.jit(model, executors=["torch"], fallback="raise"), torch.randn(2, 4)  # no eager fallback
     cm(x)
     for register, hook in ((model[0].register_forward_hook, lambda m, i, o: o * 0),
                            (model[0].register_forward_pre_hook, lambda m, i: (i[0] * 2,)),
@@ -442,12 +442,13 @@ def test_a_module_hook_registered_after_the_first_call_runs():
         handle.remove()
         torch.testing.assert_close(cm(x), model(x))
     assert torch._dynamo.config.skip_nnmodule_hook_guards  # Dynamo's default, for other code, after each call
+    assert pipeline.compile_stats(cm).recompilations == 3  # one per hook: compiled with it, not run around it
 
 
 def test_deepcopy_of_a_jitted_model_is_an_independent_jitted_copy():
     """It failed after a compiling call (FakeTensors in the compiled state), with an error about data pointers."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    cm, x = pipeline.jit(model, executors=["torch"], cache=False), torch.randn(3, 4)
+    cm, x = pipeline.jit(model, executors=["torch"], cache=False, fallback="raise"), torch.randn(3, 4)
     cm(x)
     twin = copy.deepcopy(cm)
     with torch.no_grad():
