@@ -50,18 +50,26 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
     live: dict[int, tuple[int, list]] = {}
     total = peak = base
     at_peak: dict[int, tuple[int, list]] = {}
+    requested: dict[int, int] = {}  # blocks Python freed whose memory waits on another stream's use
+    at_peak_requested: dict[int, int] = {}
+    streams = collections.Counter()
     for event in snapshot["device_traces"][device]:
         action, addr, size = event["action"], event["addr"], event["size"]
         if action == "alloc":
             live[addr] = (size, event.get("frames", []))
+            streams[event.get("stream", 0)] += 1
             total += size
+        elif action == "free_requested":
+            requested[addr] = size
+            continue
         elif action == "free_completed":
             live.pop(addr, None)  # a block from before the step still counts in `base`
+            requested.pop(addr, None)
             total -= size
         else:
             continue
         if total > peak:
-            peak, at_peak = total, dict(live)
+            peak, at_peak, at_peak_requested = total, dict(live), dict(requested)
     groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     for size, frames in at_peak.values():
         g = groups[where(frames)]
@@ -71,7 +79,9 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
     during = sum(size for size, _ in at_peak.values())
     lines = [f"peak {peak / 2**30:.2f} GiB: {(peak - during) / 2**30:.2f} GiB from before the step "
              f"(parameters, optimizer state, anything kept), {during / 2**30:.2f} GiB allocated during it "
-             f"in {len(at_peak)} blocks"]
+             f"in {len(at_peak)} blocks",
+             f"of which {sum(at_peak_requested.values()) / 2**30:.2f} GiB in {len(at_peak_requested)} blocks already freed "
+             f"and waiting on a stream that used them (record_stream); allocations by stream: {dict(streams)}"]
     for name, (count, nbytes, sizes) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
         common = ", ".join(f"{n}x{s / 2**20:.0f}MiB" for s, n in sizes.most_common(3))
         lines.append(f"{nbytes / 2**30:6.2f} GiB {count:4d} blocks ({common})  {name}")
