@@ -86,3 +86,20 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
         common = ", ".join(f"{n}x{s / 2**20:.0f}MiB" for s, n in sizes.most_common(3))
         lines.append(f"{nbytes / 2**30:6.2f} GiB {count:4d} blocks ({common})  {name}")
     return lines
+
+
+def held_at_backward_start(forward, backward) -> str:
+    """What is allocated when the backward starts, and what of it a garbage collection or waiting for the GPU
+    frees: memory held by reference cycles (alive until the collector runs) or by frees deferred on a stream."""
+    import gc
+    loss = forward()
+    torch.cuda.synchronize()
+    at_start = torch.cuda.memory_allocated()
+    gc.collect()
+    after_gc = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")  # the allocator handles finished streams' events when it next allocates
+    after_sync = torch.cuda.memory_allocated()
+    backward(loss)
+    return (f"at the backward's start {at_start / 2**30:.2f} GiB allocated; a garbage collection frees "
+            f"{(at_start - after_gc) / 2**30:.2f} GiB, waiting for the GPU {(after_gc - after_sync) / 2**30:.2f} GiB more")

@@ -386,13 +386,15 @@ def run_row(name, how, config, batches, args):
         if replayed or DEVICE != "cuda":
             extra["peak_memory"] = ["not measurable: the stages replay as CUDA graphs, or no GPU"]
         else:
-            from memory_peak import peak_breakdown, record_step
+            from memory_peak import held_at_backward_start, peak_breakdown, record_step
 
             def recorded_step():
                 step_fn(batches[0]).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             extra["peak_memory"] = peak_breakdown(record_step(recorded_step))
+            extra["peak_memory"].append(held_at_backward_start(lambda: step_fn(batches[0]), lambda loss: loss.backward()))
+            opt.zero_grad(set_to_none=True)
     if profile:
         def one_step():
             step_fn(batches[0]).backward()
