@@ -88,9 +88,10 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
     return lines
 
 
-def held_at_backward_start(forward, backward) -> str:
-    """What is allocated when the backward starts, and what of it a garbage collection or waiting for the GPU
-    frees: memory held by reference cycles (alive until the collector runs) or by frees deferred on a stream."""
+def held_at_backward_start(forward, backward, kept=()) -> list[str]:
+    """What is allocated when the backward starts, what of it a garbage collection or waiting for the GPU frees
+    (memory held by reference cycles, or by frees deferred on a stream), and the CUDA tensors Python objects hold
+    then, other than `kept` (parameters, optimizer state), by shape and by the type of what refers to them."""
     import gc
     loss = forward()
     torch.cuda.synchronize()
@@ -100,6 +101,21 @@ def held_at_backward_start(forward, backward) -> str:
     torch.cuda.synchronize()
     torch.empty(1, device="cuda")  # the allocator handles finished streams' events when it next allocates
     after_sync = torch.cuda.memory_allocated()
+    skip = {t.untyped_storage().data_ptr() for t in kept}
+    held = collections.defaultdict(lambda: [0, 0, collections.Counter()])
+    objects = gc.get_objects()
+    for obj in objects:
+        if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.untyped_storage().data_ptr() not in skip:
+            g = held[str(obj.dtype).replace("torch.", ""), tuple(obj.shape)]
+            g[0] += 1
+            g[1] += obj.untyped_storage().nbytes()
+            if g[0] <= 3:
+                g[2].update(type(r).__name__ for r in gc.get_referrers(obj) if r is not objects)
     backward(loss)
-    return (f"at the backward's start {at_start / 2**30:.2f} GiB allocated; a garbage collection frees "
-            f"{(at_start - after_gc) / 2**30:.2f} GiB, waiting for the GPU {(after_gc - after_sync) / 2**30:.2f} GiB more")
+    lines = [f"at the backward's start {at_start / 2**30:.2f} GiB allocated; a garbage collection frees "
+             f"{(at_start - after_gc) / 2**30:.2f} GiB, waiting for the GPU {(after_gc - after_sync) / 2**30:.2f} GiB more; "
+             f"CUDA tensors Python holds then (not parameters or optimizer state): "
+             f"{sum(n for _, n, _ in held.values()) / 2**30:.2f} GiB"]
+    for (dtype, shape), (count, nbytes, referrers) in sorted(held.items(), key=lambda kv: -kv[1][1])[:12]:
+        lines.append(f"  {nbytes / 2**30:6.2f} GiB {count:4d} x {dtype} {list(shape)}, held by {dict(referrers.most_common(4))}")
+    return lines

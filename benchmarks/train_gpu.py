@@ -393,7 +393,9 @@ def run_row(name, how, config, batches, args):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             extra["peak_memory"] = peak_breakdown(record_step(recorded_step))
-            extra["peak_memory"].append(held_at_backward_start(lambda: step_fn(batches[0]), lambda loss: loss.backward()))
+            state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            extra["peak_memory"] += held_at_backward_start(lambda: step_fn(batches[0]), lambda loss: loss.backward(),
+                                                           kept=[*model.parameters(), *model.buffers(), *state])
             opt.zero_grad(set_to_none=True)
     if profile:
         def one_step():
