@@ -90,11 +90,25 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
 
 def held_at_backward_start(forward, backward, kept=()) -> list[str]:
     """What is allocated when the backward starts, what of it a garbage collection or waiting for the GPU frees
-    (memory held by reference cycles, or by frees deferred on a stream), and the CUDA tensors Python objects hold
-    then, other than `kept` (parameters, optimizer state), by shape and by the type of what refers to them."""
+    (memory held by reference cycles, or by frees deferred on a stream), the blocks the forward allocated that
+    are alive then but not saved for the backward, by the code that allocated them, and the CUDA tensors Python
+    objects hold then, other than `kept` (parameters, optimizer state), by shape and by what refers to them."""
     import gc
-    loss = forward()
+    saved = set()
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            saved.add(t.untyped_storage().data_ptr())
+        return t
     torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     at_start = torch.cuda.memory_allocated()
     gc.collect()
     after_gc = torch.cuda.memory_allocated()
@@ -102,6 +116,18 @@ def held_at_backward_start(forward, backward, kept=()) -> list[str]:
     torch.empty(1, device="cuda")  # the allocator handles finished streams' events when it next allocates
     after_sync = torch.cuda.memory_allocated()
     skip = {t.untyped_storage().data_ptr() for t in kept}
+    not_listed = saved | skip
+    unsaved = collections.defaultdict(lambda: [0, 0, collections.Counter()])
+    for segment in snapshot["segments"]:
+        address = segment["address"]
+        for block in segment["blocks"]:
+            frames, address = block.get("frames") or [], address + block["size"]
+            if block["state"] == "active_allocated" and frames and address - block["size"] not in not_listed:
+                stage = next((f for f in frames if f["filename"].startswith("<eval_with_key>")), None)
+                line = linecache.getline(stage["filename"], stage["line"]).strip()[:80] if stage else ""
+                g = unsaved[where(frames) + (f" | stage `{line}`" if line else "")]
+                g[0], g[1] = g[0] + 1, g[1] + block["size"]
+                g[2][block["size"]] += 1
     held = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     objects = gc.get_objects()
     for obj in objects:
@@ -114,8 +140,13 @@ def held_at_backward_start(forward, backward, kept=()) -> list[str]:
     backward(loss)
     lines = [f"at the backward's start {at_start / 2**30:.2f} GiB allocated; a garbage collection frees "
              f"{(at_start - after_gc) / 2**30:.2f} GiB, waiting for the GPU {(after_gc - after_sync) / 2**30:.2f} GiB more; "
-             f"CUDA tensors Python holds then (not parameters or optimizer state): "
-             f"{sum(n for _, n, _ in held.values()) / 2**30:.2f} GiB"]
+             f"the forward's blocks alive then but not saved for the backward: "
+             f"{sum(n for _, n, _ in unsaved.values()) / 2**30:.2f} GiB (saved: {len(saved)} storages)"]
+    for name, (count, nbytes, sizes) in sorted(unsaved.items(), key=lambda kv: -kv[1][1])[:12]:
+        common = ", ".join(f"{n}x{s / 2**20:.0f}MiB" for s, n in sizes.most_common(3))
+        lines.append(f"  {nbytes / 2**30:6.2f} GiB {count:4d} blocks ({common})  {name}")
+    lines.append(f"CUDA tensors Python holds then (not parameters or optimizer state): "
+                 f"{sum(n for _, n, _ in held.values()) / 2**30:.2f} GiB")
     for (dtype, shape), (count, nbytes, referrers) in sorted(held.items(), key=lambda kv: -kv[1][1])[:12]:
         lines.append(f"  {nbytes / 2**30:6.2f} GiB {count:4d} x {dtype} {list(shape)}, held by {dict(referrers.most_common(4))}")
     return lines
