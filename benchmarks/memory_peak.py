@@ -11,6 +11,7 @@ import linecache
 import re
 
 import torch
+from torch._subclasses import FakeTensor
 
 OURS = re.compile(r"/(pipeline|executors|models|transforms)/|^<eval_with_key>")  # the last: a stage's code
 
@@ -131,7 +132,9 @@ def held_at_backward_start(forward, backward, kept=()) -> list[str]:
     held = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     objects = gc.get_objects()
     for obj in objects:
-        if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.untyped_storage().data_ptr() not in skip:
+        if not isinstance(obj, torch.Tensor) or not obj.is_cuda or isinstance(obj, FakeTensor):
+            continue  # a fake tensor (a compiled graph's metadata) has no memory
+        if obj.untyped_storage().data_ptr() not in skip:
             g = held[str(obj.dtype).replace("torch.", ""), tuple(obj.shape)]
             g[0] += 1
             g[1] += obj.untyped_storage().nbytes()
