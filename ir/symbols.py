@@ -66,10 +66,9 @@ def check_symbols_bound(gm: fx.GraphModule, where: str) -> None:
     if problems := unbound_symbols(gm):
         inputs = [f"{p.name}: {_show(node_value(p))}" for p in gm.graph.nodes if p.op == "placeholder"]
         raise UnboundSymbolError(
-            f"{where}: refers to shape symbol{'s' if len(problems) > 1 else ''} "
-            f"{'; '.join(map(str, problems))}, which no input binds (inputs: {', '.join(inputs) or 'none'}); "
-            f"its compiled code would fail with NameError. The graph must take each symbol as an input "
-            f"(a SymInt, or a tensor whose size or stride is that symbol).")
+            f"{where}: refers to shape symbol{'s' if len(problems) > 1 else ''} {'; '.join(map(str, problems))}, which no "
+            f"input binds (inputs: {', '.join(inputs) or 'none'}); its compiled code would fail with NameError. The graph "
+            f"must take each symbol as an input (a SymInt, or a tensor whose size or stride is that symbol).")
 
 
 def binds(value) -> set:

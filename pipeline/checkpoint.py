@@ -154,10 +154,9 @@ def _save_optimizer(cm, optimizer, tensors, rows) -> str:
                 if held is not None:
                     if value.shape != params[index].shape:  # only states shaped like their shard split by rows
                         raise NotImplementedError(
-                            f"pipeline.save: optimizer state {name!r} of parameter {index} has shape "
-                            f"{tuple(value.shape)}, not its shard's {tuple(params[index].shape)}; sharded "
-                            f"checkpoints split optimizer state by the parameter's rows ({type(optimizer).__name__} "
-                            f"is not supported under fsdp; AdamW, Adam and SGD are)")
+                            f"pipeline.save: optimizer state {name!r} of parameter {index} has shape {tuple(value.shape)}, "
+                            f"not its shard's {tuple(params[index].shape)}; sharded checkpoints split optimizer state by the "
+                            f"parameter's rows ({type(optimizer).__name__} is not supported under fsdp; AdamW, Adam and SGD are)")
                     value = value[: held[1] - held[0]]
                     rows[key] = list(held)
                 tensors[key] = _storable(value, f"optimizer state {index}.{name}")

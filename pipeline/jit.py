@@ -62,6 +62,7 @@ class CallHistory:
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # every fallback, in order
     calls: int = 0                           # calls of the jitted model that returned
     hook_guards_lent: bool = False           # the backend turned Dynamo's module hook guards on for this call
+    global_hooks: tuple = ()                 # the global module hooks (by handle id) the first call traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +203,7 @@ def _call(runner, state: CompileState, args, kwargs):
     config, history = state.config, state.history
     if config.dynamic is None and not history.generalized and not isinstance(runner, GradCapture):
         _generalize_on_shape_change(history, args, kwargs)
+    history.global_hooks = _global_module_hooks(history)
     for hook in config.call_hooks:
         hook()
     if config.autotune:
@@ -249,6 +251,17 @@ def _call(runner, state: CompileState, args, kwargs):
         report_fallback(state, "Dynamo stopped compiling a frame, which runs in eager: "
                         + " ".join(message.split("\n")[:3]))
     return out
+
+
+def _global_module_hooks(history: CallHistory) -> tuple:
+    """The global module hooks, by handle: Dynamo guards none (one added after the first call was silently ignored)."""
+    from torch.nn.modules import module as m
+    hooks = (m._global_forward_pre_hooks, m._global_forward_hooks, m._global_backward_pre_hooks, m._global_backward_hooks)
+    now = tuple(map(tuple, hooks)) if any(hooks) else ()
+    if history.calls and now != history.global_hooks:
+        raise RuntimeError("a global module hook (register_module_forward_hook, ...) was registered or removed after this model's "
+                           "first call, which compiled the hooks of then: register it before the first call, or jit again")
+    return now
 
 
 def _generalize_on_shape_change(history: CallHistory, args, kwargs) -> None:

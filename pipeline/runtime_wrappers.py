@@ -1,6 +1,6 @@
 """Runtime wrappers (docs/design.md, "Stages"), a chain as AOTAutograd's `CompilerWrapper`s are: `pre_compile`
 changes what is compiled (first to last), `post_compile` wraps the compiled callable (the first outermost), and
-`metadata()` is all `post_compile` needs: what a cache entry stores to rebuild it (`from_metadata`)."""
+`metadata()` is what a cache entry stores of it: a warm start whose wrappers' metadata differs is a miss."""
 
 from typing import Callable, Optional
 
@@ -50,10 +50,6 @@ class ModelTransformInputs(RuntimeWrapper):
 
     def metadata(self) -> dict:
         return {"qualnames": self.qualnames}
-
-    @classmethod
-    def from_metadata(cls, metadata: dict, replaced: dict) -> "ModelTransformInputs":
-        return cls(replaced, list(metadata["qualnames"]))
 
 
 class SeparateMutatedInputs(RuntimeWrapper):

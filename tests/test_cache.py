@@ -315,7 +315,7 @@ def test_model_transform_inputs_wrapper_rebuilds_from_its_metadata():
     assert pipeline.compile_stats(cm).cache == {"g0": "hit"}
     assert torch.equal(outs[0], outs[1])
     wrapper = ModelTransformInputs(cm._state.config.replaced, ["0.weight", None, None, "2.weight", None, None])
-    rebuilt = ModelTransformInputs.from_metadata(wrapper.metadata(), cm._state.config.replaced)
+    rebuilt = ModelTransformInputs(cm._state.config.replaced, wrapper.metadata()["qualnames"])
     seen = rebuilt.post_compile(lambda *args: args)("w0", "b0", "x", "w2", "b2", "y")
     assert seen[:2] == tuple(cm._state.config.replaced["0.weight"].tensors.values()) and seen[2:4] == ("b0", "x")
     cm._state.config.replaced["0.weight"].tensors = {"q": "new q", "scale": "new scale"}  # as a checkpoint load may

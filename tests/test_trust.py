@@ -445,6 +445,28 @@ def test_a_module_hook_registered_after_the_first_call_runs():
     assert pipeline.compile_stats(cm).recompilations == 3  # one per hook: compiled with it, not run around it
 
 
+def test_a_global_module_hook_registered_or_removed_after_the_first_call_is_refused():
+    """Dynamo guards no global hook (nor does torch.compile): one added after the first call was silently ignored,
+    and one removed still ran, baked into the compiled code. A hook there from the first call works."""
+    zero_relu = lambda m, i, o: o * 0 if isinstance(m, nn.ReLU) else None
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(3, 4)
+    cm = pipeline.jit(model, executors=["torch"], fallback="raise")
+    cm(x)
+    handle = torch.nn.modules.module.register_module_forward_hook(zero_relu)
+    try:
+        with pytest.raises(RuntimeError, match="global module hook .* after this model's first call"):
+            cm(x)
+        hooked = pipeline.jit(model, executors=["torch"], fallback="raise")
+        torch.testing.assert_close(hooked(x), model(x))  # the hook runs: the output is the last bias alone
+        torch.testing.assert_close(hooked(x), model[2].bias.expand(3, 2))
+    finally:
+        handle.remove()
+    with pytest.raises(RuntimeError, match="registered or removed"):
+        hooked(x)
+    torch.testing.assert_close(cm(x), model(x))  # as it was when it first ran
+    assert pipeline.regions(hooked) and all(r.executor == "torch" for r in pipeline.regions(hooked))
+
+
 def test_deepcopy_of_a_jitted_model_is_an_independent_jitted_copy():
     """It failed after a compiling call (FakeTensors in the compiled state), with an error about data pointers."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))

@@ -29,9 +29,8 @@ class Chain(ModelTransform):
             if (why := self.then.cannot_encode(mid)) is None and self.then.extra:
                 why = f"it would keep its own state ({', '.join(self.then.extra)}) for an intermediate tensor"
             if why is not None:
-                raise ValueError(f"{qualname}: {self.then.name} cannot follow {self.first.name}: on the "
-                                 f"{tuple(mid.shape)} {mid.dtype} tensor '{suffix}' {self.first.name} "
-                                 f"produces, {why}. Reorder the transforms or leave one out for this parameter.")
+                raise ValueError(f"{qualname}: {self.then.name} cannot follow {self.first.name}: on the {tuple(mid.shape)} {mid.dtype} "
+                                 f"tensor '{suffix}' {self.first.name} produces, {why}. Reorder the transforms or leave one out for it.")
 
     def _mids(self, original) -> dict[str, torch.Tensor]:
         """What `first` produces for `original`, as meta tensors (shapes and dtypes)."""
