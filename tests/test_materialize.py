@@ -182,6 +182,40 @@ def test_a_tensor_reset_parameters_leaves_unset_in_part_complex_or_integer_is_na
         pipeline.jit(model, executors=["torch"], transforms=[materialize()])
 
 
+class _Masked(torch.nn.Module):
+    """A causal mask of bools computed in __init__: bools have no value to poison them with."""
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.w = how, torch.nn.Parameter(torch.randn(4, 4))
+        self.register_buffer("causal", torch.ones(4, 4, dtype=torch.bool).tril(), persistent=False)
+
+    def reset_parameters(self):
+        torch.nn.init.normal_(self.w)
+        if self.how == "copy":
+            self.causal.copy_(torch.ones(4, 4, dtype=torch.bool).tril())
+        elif self.how == "replace":
+            self.causal = torch.ones(4, 4, dtype=torch.bool).tril()
+
+    def forward(self, x):
+        return (x @ self.w).masked_fill(~self.causal, 0.0)
+
+
+def test_a_bool_buffer_reset_parameters_leaves_unset_is_named():
+    """It came back as uninitialised memory (a mask of garbage, used silently): a bool has no value that marks it
+    unset, so materialize asks whether anything wrote it or replaced it."""
+    with torch.device("meta"):
+        model = _Masked("forget")
+    with pytest.raises(ValueError, match=r"reset_parameters\(\) left causal unset"):
+        pipeline.jit(model, executors=["torch"], transforms=[materialize()])
+    for how in ("copy", "replace"):
+        with torch.device("meta"):
+            model = _Masked(how)
+        cm = pipeline.jit(model, executors=["torch"], transforms=[materialize()], fallback="raise")
+        assert torch.equal(model.causal, torch.ones(4, 4, dtype=torch.bool).tril())
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(cm(x), (x @ model.w).masked_fill(~model.causal, 0.0))
+
+
 def test_a_table_reset_parameters_fills_with_both_infinities_is_not_taken_for_unset():
     """The unset check sums each tensor first; +inf and -inf sum to NaN, so a NaN sum is confirmed element-wise."""
     class Bounds(torch.nn.Module):

@@ -43,10 +43,10 @@ class Materialize:
         for _, module in on_meta:
             _to_empty_meta_only(module, self.device)
         with torch.no_grad():
-            owed = [(prefix, m, name) for prefix, m, name in owed if _poison(getattr(m, name))]
+            owed = [(prefix, m, name, _poison(getattr(m, name))) for prefix, m, name in owed]
             for _, module in needs_init:
                 module.reset_parameters()
-        if unset := [f"{prefix}.{name}".lstrip(".") for prefix, m, name in owed if _poisoned(getattr(m, name))]:
+        if unset := [f"{prefix}.{name}".lstrip(".") for prefix, m, name, mark in owed if _poisoned(getattr(m, name), mark)]:
             raise ValueError(f"materialize: reset_parameters() left {_listed(unset)} unset, wholly or in part (a value "
                              f"computed in __init__ is lost on the meta device): set it in reset_parameters()")
         if self.checkpoint is not None:  # the user asked for the file's values: loaded even with nothing on meta
@@ -119,15 +119,17 @@ def _to_empty_meta_only(module: torch.nn.Module, device) -> None:
             module._buffers[name] = torch.empty_like(t, device=device)
 
 
-def _poison(t: torch.Tensor) -> bool:
+def _poison(t: torch.Tensor) -> tuple:
     """Fills `t` with what no initialisation writes (NaN; an integer type's minimum), so `_poisoned` finds the
-    elements it left as they were; False for a bool tensor, which has no such value."""
+    elements it left as they were. A bool tensor has no such value: its mark is itself and its version counter."""
     if t.dtype != torch.bool:
         t.fill_(torch.nan if t.is_floating_point() or t.is_complex() else torch.iinfo(t.dtype).min)
-    return t.dtype != torch.bool
+    return t, t._version
 
 
-def _poisoned(t: torch.Tensor) -> bool:
+def _poisoned(t: torch.Tensor, mark: tuple) -> bool:
+    if t.dtype == torch.bool:  # nothing wrote it, nor replaced it (one written in part passes)
+        return t is mark[0] and t._version == mark[1]
     if t.is_floating_point() or t.is_complex():
         return bool(t.sum().isnan()) and bool(t.isnan().any())  # one reduction unless it finds a NaN (or +inf + -inf)
     return bool((t == torch.iinfo(t.dtype).min).any())
