@@ -45,12 +45,22 @@ def where(frames: list) -> str:
     return " | ".join(parts) or (frames[0]["name"] if frames else "no Python frame")
 
 
+def stage_line(frames: list) -> str:
+    """The line of a stage's generated code the allocation came from (which region call), or ""."""
+    stage = next((f for f in frames if f["filename"].startswith("<eval_with_key>")), None)
+    if stage is None or stage is next((f for f in frames if OURS.search(f["filename"])), None):
+        return ""  # `where` shows it already
+    line = linecache.getline(stage["filename"], stage["line"]).strip()[:80] if stage else ""
+    return f" | stage {stage['filename'][15:]}:{stage['line']} `{line}`" if line else ""
+
+
 def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
     """Lines: the peak's total, then the live blocks at that moment grouped by `where`, largest first."""
     base = snapshot.get("allocated_before", 0)
     live: dict[int, tuple[int, list]] = {}
     total = peak = base
     at_peak: dict[int, tuple[int, list]] = {}
+    peak_frames: list = []
     requested: dict[int, int] = {}  # blocks Python freed whose memory waits on another stream's use
     at_peak_requested: dict[int, int] = {}
     streams = collections.Counter()
@@ -70,10 +80,10 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
         else:
             continue
         if total > peak:
-            peak, at_peak, at_peak_requested = total, dict(live), dict(requested)
+            peak, at_peak, at_peak_requested, peak_frames = total, dict(live), dict(requested), event.get("frames", [])
     groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     for size, frames in at_peak.values():
-        g = groups[where(frames)]
+        g = groups[where(frames) + stage_line(frames)]
         g[0] += 1
         g[1] += size
         g[2][size] += 1
@@ -82,7 +92,8 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
              f"(parameters, optimizer state, anything kept), {during / 2**30:.2f} GiB allocated during it "
              f"in {len(at_peak)} blocks",
              f"of which {sum(at_peak_requested.values()) / 2**30:.2f} GiB in {len(at_peak_requested)} blocks already freed "
-             f"and waiting on a stream that used them (record_stream); allocations by stream: {dict(streams)}"]
+             f"and waiting on a stream that used them (record_stream); allocations by stream: {dict(streams)}",
+             f"the allocation that reached the peak: {where(peak_frames) + stage_line(peak_frames)}"]
     for name, (count, nbytes, sizes) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
         common = ", ".join(f"{n}x{s / 2**20:.0f}MiB" for s, n in sizes.most_common(3))
         lines.append(f"{nbytes / 2**30:6.2f} GiB {count:4d} blocks ({common})  {name}")
@@ -124,9 +135,7 @@ def held_at_backward_start(forward, backward, kept=()) -> list[str]:
         for block in segment["blocks"]:
             frames, address = block.get("frames") or [], address + block["size"]
             if block["state"] == "active_allocated" and frames and address - block["size"] not in not_listed:
-                stage = next((f for f in frames if f["filename"].startswith("<eval_with_key>")), None)
-                line = linecache.getline(stage["filename"], stage["line"]).strip()[:80] if stage else ""
-                g = unsaved[where(frames) + (f" | stage `{line}`" if line else "")]
+                g = unsaved[where(frames) + stage_line(frames)]
                 g[0], g[1] = g[0] + 1, g[1] + block["size"]
                 g[2][block["size"]] += 1
     held = collections.defaultdict(lambda: [0, 0, collections.Counter()])
