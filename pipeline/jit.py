@@ -62,7 +62,7 @@ class CallHistory:
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # every fallback, in order
     calls: int = 0                           # calls of the jitted model that returned
     hook_guards_lent: bool = False           # the backend turned Dynamo's module hook guards on for this call
-    global_hooks: tuple = ()                 # the global module hooks (by handle id) the first call traced
+    global_hooks: tuple = ()                 # the global module hooks (by handle id) of the last call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,17 +118,21 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
                                    cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks, autotune=autotune))
     for message in skipped:  # a listed executor missing here is a fallback: counted, warned, or raised
         report_fallback(state, message)
-    if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
-        runner = GradCapture(model_or_fn, state)
-    else:
-        runner = torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=fullgraph,
-                               dynamic=dynamic, **_own_recompile_budget())
+    runner = _runner(model_or_fn, state)
     if not isinstance(model_or_fn, torch.nn.Module):
         return JittedFunction(model_or_fn, runner, state)
     again = functools.partial(jit, executors=executors, transforms=[t for t in transforms if not isinstance(t, Materialize)],
                               fullgraph=fullgraph, dynamic=dynamic, cache=cache, cuda_graphs=cuda_graphs,
                               fallback=fallback, autotune=autotune)
     return JittedModule(model_or_fn, runner, state, again)
+
+
+def _runner(model_or_fn, state: CompileState):
+    """What compiles and runs it. Each has its own backend object, which Dynamo's guards check: a new runner compiles again."""
+    if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
+        return GradCapture(model_or_fn, state)
+    return torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=state.config.fullgraph,
+                         dynamic=state.config.dynamic, **_own_recompile_budget())
 
 
 def _own_recompile_budget() -> dict:
@@ -197,13 +201,15 @@ def _owners(obj) -> dict[int, tuple[str, str]]:
             **{id(p): (InputKind.PARAMETER, n) for n, p in obj.named_parameters(remove_duplicate=False)}}
 
 
-def _call(runner, state: CompileState, args, kwargs):
+def _call(jitted, args, kwargs):
     """Runs the compiled callable; notes graph breaks and capture time when this call compiled."""
     from torch._dynamo.utils import counters
-    config, history = state.config, state.history
+    runner, state, config, history = jitted._runner, jitted._state, jitted._state.config, jitted._state.history
+    if (hooks := _global_module_hooks()) != history.global_hooks and history.calls:  # Dynamo guards none: compile again
+        runner = jitted.__dict__["_runner"] = _runner(jitted._original, state)  # (not a submodule of a JittedModule)
+    history.global_hooks = hooks
     if config.dynamic is None and not history.generalized and not isinstance(runner, GradCapture):
         _generalize_on_shape_change(history, args, kwargs)
-    history.global_hooks = _global_module_hooks(history)
     for hook in config.call_hooks:
         hook()
     if config.autotune:
@@ -253,15 +259,11 @@ def _call(runner, state: CompileState, args, kwargs):
     return out
 
 
-def _global_module_hooks(history: CallHistory) -> tuple:
-    """The global module hooks, by handle: Dynamo guards none (one added after the first call was silently ignored)."""
-    from torch.nn.modules import module as m
+def _global_module_hooks() -> tuple:
+    """Global module hooks (register_module_forward_hook, ...) by handle: Dynamo guards none; `_call` compiles again."""
+    m = torch.nn.modules.module
     hooks = (m._global_forward_pre_hooks, m._global_forward_hooks, m._global_backward_pre_hooks, m._global_backward_hooks)
-    now = tuple(map(tuple, hooks)) if any(hooks) else ()
-    if history.calls and now != history.global_hooks:
-        raise RuntimeError("a global module hook (register_module_forward_hook, ...) was registered or removed after this model's "
-                           "first call, which compiled the hooks of then: register it before the first call, or jit again")
-    return now
+    return tuple(map(tuple, hooks)) if any(hooks) else ()
 
 
 def _generalize_on_shape_change(history: CallHistory, args, kwargs) -> None:
@@ -322,7 +324,7 @@ class JittedModule(torch.nn.Module):
         self.training = model.training
 
     def forward(self, *args, **kwargs):
-        return _call(self._runner, self._state, args, kwargs)
+        return _call(self, args, kwargs)
 
     def train(self, mode: bool = True):
         frozen = sorted({r.transform.name for r in self._state.config.replaced.values() if not r.transform.trainable})
@@ -418,7 +420,7 @@ class JittedFunction:
         self._original, self._runner, self._state = fn, runner, state
 
     def __call__(self, *args, **kwargs):
-        return _call(self._runner, self._state, args, kwargs)
+        return _call(self, args, kwargs)
 
     def __deepcopy__(self, memo):
         return self  # a function copies as itself (its compiled state holds FakeTensors, which do not copy)
