@@ -62,7 +62,7 @@ class CallHistory:
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # every fallback, in order
     calls: int = 0                           # calls of the jitted model that returned
     hook_guards_lent: bool = False           # the backend turned Dynamo's module hook guards on for this call
-    global_hooks: tuple = ()                 # the global module hooks (by handle id) of the last call
+    hooked: bool = False                     # whether the last call had global module hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,9 +205,10 @@ def _call(jitted, args, kwargs):
     """Runs the compiled callable; notes graph breaks and capture time when this call compiled."""
     from torch._dynamo.utils import counters
     runner, state, config, history = jitted._runner, jitted._state, jitted._state.config, jitted._state.history
-    if (hooks := _global_module_hooks()) != history.global_hooks and history.calls:  # Dynamo guards none: compile again
-        runner = jitted.__dict__["_runner"] = _runner(jitted._original, state)  # (not a submodule of a JittedModule)
-    history.global_hooks = hooks
+    if (hooked := _any_global_module_hook()) != history.hooked and history.calls:  # a runner for each (not a submodule)
+        runners = jitted.__dict__.setdefault("_runners", {history.hooked: runner})
+        runner = jitted.__dict__["_runner"] = runners.get(hooked) or runners.setdefault(hooked, _runner(jitted._original, state))
+    history.hooked = hooked
     if config.dynamic is None and not history.generalized and not isinstance(runner, GradCapture):
         _generalize_on_shape_change(history, args, kwargs)
     for hook in config.call_hooks:
@@ -259,11 +260,10 @@ def _call(jitted, args, kwargs):
     return out
 
 
-def _global_module_hooks() -> tuple:
-    """Global module hooks (register_module_forward_hook, ...) by handle: Dynamo guards none; `_call` compiles again."""
+def _any_global_module_hook() -> bool:
+    """Dynamo guards global module hooks (register_module_forward_hook, ...) only where its capture saw some."""
     m = torch.nn.modules.module
-    hooks = (m._global_forward_pre_hooks, m._global_forward_hooks, m._global_backward_pre_hooks, m._global_backward_hooks)
-    return tuple(map(tuple, hooks)) if any(hooks) else ()
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_pre_hooks or m._global_backward_hooks)
 
 
 def _generalize_on_shape_change(history: CallHistory, args, kwargs) -> None:
