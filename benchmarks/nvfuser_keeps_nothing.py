@@ -4,7 +4,8 @@
 
 Prints the CUDA memory a call adds while its outputs are held and after they are deleted (0: nothing kept), for
 `FusionDefinition.execute` itself, a jitted function through [torch], [nvfuser] and [inductor], and a training step's
-forward through each (what the forward leaves for the backward: the same for all three when nothing extra is kept).
+forward through each (what the forward leaves for the backward: [nvfuser]'s the same as [inductor]'s when it keeps
+nothing extra; [torch] fuses nothing and saves more).
 Asked by the `[nvfuser]` peak (docs/performance.md): on an H100 (2026-12-07, this code as a one-off experiment)
 nothing was kept."""
 import gc
