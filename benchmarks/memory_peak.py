@@ -50,8 +50,27 @@ def stage_line(frames: list) -> str:
     stage = next((f for f in frames if f["filename"].startswith("<eval_with_key>")), None)
     if stage is None or stage is next((f for f in frames if OURS.search(f["filename"])), None):
         return ""  # `where` shows it already
-    line = linecache.getline(stage["filename"], stage["line"]).strip()[:80] if stage else ""
+    line = linecache.getline(stage["filename"], stage["line"]).strip()[:80]
     return f" | stage {stage['filename'][15:]}:{stage['line']} `{line}`" if line else ""
+
+
+def grouped(blocks) -> dict:
+    """(size, frames) blocks by where they were allocated (`where` and `stage_line`): name -> [count, bytes, sizes]."""
+    groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
+    for size, frames in blocks:
+        g = groups[where(frames) + stage_line(frames)]
+        g[0], g[1] = g[0] + 1, g[1] + size
+        g[2][size] += 1
+    return groups
+
+
+def group_lines(groups: dict, top: int, indent: str = "") -> list[str]:
+    """The largest `top` groups, a line each: bytes, blocks, their commonest sizes, where."""
+    lines = []
+    for name, (count, nbytes, sizes) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        common = ", ".join(f"{n}x{s / 2**20:.0f}MiB" for s, n in sizes.most_common(3))
+        lines.append(f"{indent}{nbytes / 2**30:6.2f} GiB {count:4d} blocks ({common})  {name}")
+    return lines
 
 
 def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
@@ -81,12 +100,6 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
             continue
         if total > peak:
             peak, at_peak, at_peak_requested, peak_frames = total, dict(live), dict(requested), event.get("frames", [])
-    groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
-    for size, frames in at_peak.values():
-        g = groups[where(frames) + stage_line(frames)]
-        g[0] += 1
-        g[1] += size
-        g[2][size] += 1
     during = sum(size for size, _ in at_peak.values())
     lines = [f"peak {peak / 2**30:.2f} GiB: {(peak - during) / 2**30:.2f} GiB from before the step "
              f"(parameters, optimizer state, anything kept), {during / 2**30:.2f} GiB allocated during it "
@@ -94,10 +107,7 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> list[str]:
              f"of which {sum(at_peak_requested.values()) / 2**30:.2f} GiB in {len(at_peak_requested)} blocks already freed "
              f"and waiting on a stream that used them (record_stream); allocations by stream: {dict(streams)}",
              f"the allocation that reached the peak: {where(peak_frames) + stage_line(peak_frames)}"]
-    for name, (count, nbytes, sizes) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
-        common = ", ".join(f"{n}x{s / 2**20:.0f}MiB" for s, n in sizes.most_common(3))
-        lines.append(f"{nbytes / 2**30:6.2f} GiB {count:4d} blocks ({common})  {name}")
-    return lines
+    return lines + group_lines(grouped(at_peak.values()), top)
 
 
 def held_at_backward_start(forward, backward, kept=()) -> list[str]:
@@ -128,16 +138,14 @@ def held_at_backward_start(forward, backward, kept=()) -> list[str]:
     torch.empty(1, device="cuda")  # the allocator handles finished streams' events when it next allocates
     after_sync = torch.cuda.memory_allocated()
     skip = {t.untyped_storage().data_ptr() for t in kept}
-    not_listed = saved | skip
-    unsaved = collections.defaultdict(lambda: [0, 0, collections.Counter()])
+    not_listed, blocks = saved | skip, []
     for segment in snapshot["segments"]:
         address = segment["address"]
         for block in segment["blocks"]:
             frames, address = block.get("frames") or [], address + block["size"]
             if block["state"] == "active_allocated" and frames and address - block["size"] not in not_listed:
-                g = unsaved[where(frames) + stage_line(frames)]
-                g[0], g[1] = g[0] + 1, g[1] + block["size"]
-                g[2][block["size"]] += 1
+                blocks.append((block["size"], frames))
+    unsaved = grouped(blocks)
     held = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     objects = gc.get_objects()
     for obj in objects:
@@ -154,9 +162,7 @@ def held_at_backward_start(forward, backward, kept=()) -> list[str]:
              f"{(at_start - after_gc) / 2**30:.2f} GiB, waiting for the GPU {(after_gc - after_sync) / 2**30:.2f} GiB more; "
              f"the forward's blocks alive then but not saved for the backward: "
              f"{sum(n for _, n, _ in unsaved.values()) / 2**30:.2f} GiB (saved: {len(saved)} storages)"]
-    for name, (count, nbytes, sizes) in sorted(unsaved.items(), key=lambda kv: -kv[1][1])[:12]:
-        common = ", ".join(f"{n}x{s / 2**20:.0f}MiB" for s, n in sizes.most_common(3))
-        lines.append(f"  {nbytes / 2**30:6.2f} GiB {count:4d} blocks ({common})  {name}")
+    lines += group_lines(unsaved, 12, indent="  ")
     lines.append(f"CUDA tensors Python holds then (not parameters or optimizer state): "
                  f"{sum(n for _, n, _ in held.values()) / 2**30:.2f} GiB")
     for (dtype, shape), (count, nbytes, referrers) in sorted(held.items(), key=lambda kv: -kv[1][1])[:12]:

@@ -62,7 +62,6 @@ class CallHistory:
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # every fallback, in order
     calls: int = 0                           # calls of the jitted model that returned
     hook_guards_lent: bool = False           # the backend turned Dynamo's module hook guards on for this call
-    hooked: bool = False                     # whether the last call had global module hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,17 +117,16 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
                                    cuda_graphs=cuda_graphs, fallback=fallback, call_hooks=hooks, autotune=autotune))
     for message in skipped:  # a listed executor missing here is a fallback: counted, warned, or raised
         report_fallback(state, message)
-    runner = _runner(model_or_fn, state)
     if not isinstance(model_or_fn, torch.nn.Module):
-        return JittedFunction(model_or_fn, runner, state)
+        return JittedFunction(model_or_fn, state)
     again = functools.partial(jit, executors=executors, transforms=[t for t in transforms if not isinstance(t, Materialize)],
                               fullgraph=fullgraph, dynamic=dynamic, cache=cache, cuda_graphs=cuda_graphs,
                               fallback=fallback, autotune=autotune)
-    return JittedModule(model_or_fn, runner, state, again)
+    return JittedModule(model_or_fn, state, again)
 
 
 def _runner(model_or_fn, state: CompileState):
-    """What compiles and runs it. Each has its own backend object, which Dynamo's guards check: a new runner compiles again."""
+    """What compiles and runs it. Each has its own backend object, which Dynamo's guards tell apart."""
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         return GradCapture(model_or_fn, state)
     return torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=state.config.fullgraph,
@@ -204,11 +202,10 @@ def _owners(obj) -> dict[int, tuple[str, str]]:
 def _call(jitted, args, kwargs):
     """Runs the compiled callable; notes graph breaks and capture time when this call compiled."""
     from torch._dynamo.utils import counters
-    runner, state, config, history = jitted._runner, jitted._state, jitted._state.config, jitted._state.history
-    if (hooked := _any_global_module_hook()) != history.hooked and history.calls:  # a runner for each (not a submodule)
-        runners = jitted.__dict__.setdefault("_runners", {history.hooked: runner})
-        runner = jitted.__dict__["_runner"] = runners.get(hooked) or runners.setdefault(hooked, _runner(jitted._original, state))
-    history.hooked = hooked
+    state, hooked = jitted._state, _any_global_module_hook()
+    if (runner := jitted._runners.get(hooked)) is None:  # one for calls without global module hooks, one for calls with
+        runner = jitted._runners[hooked] = _runner(jitted._original, state)
+    config, history = state.config, state.history
     if config.dynamic is None and not history.generalized and not isinstance(runner, GradCapture):
         _generalize_on_shape_change(history, args, kwargs)
     for hook in config.call_hooks:
@@ -317,9 +314,9 @@ class JittedModule(torch.nn.Module):
     """A compiled `nn.Module`: shares parameters, buffers and submodules with the original (so
     `parameters()`, `state_dict()`, `train()`, `eval()` and optimizers work on the original tensors)."""
 
-    def __init__(self, model: torch.nn.Module, runner, state: CompileState, again: Callable):
+    def __init__(self, model: torch.nn.Module, state: CompileState, again: Callable):
         super().__init__()
-        self.__dict__.update(_original=model, _runner=runner, _state=state, _again=again)  # not submodules
+        self.__dict__.update(_original=model, _runners={}, _state=state, _again=again)  # not submodules (`_call`)
         self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
         self.training = model.training
 
@@ -415,9 +412,9 @@ class JittedModule(torch.nn.Module):
 
 
 class JittedFunction:
-    def __init__(self, fn: Callable, runner, state: CompileState):
+    def __init__(self, fn: Callable, state: CompileState):
         functools.update_wrapper(self, fn)
-        self._original, self._runner, self._state = fn, runner, state
+        self._original, self._runners, self._state = fn, {}, state
 
     def __call__(self, *args, **kwargs):
         return _call(self, args, kwargs)
