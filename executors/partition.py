@@ -78,7 +78,7 @@ def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
     depth: dict[fx.Node, int] = {}
     for node in reversed(gm.graph.nodes):
         depth[node] = max((depth[u] + is_barrier(u) for u in node.users), default=0)
-    _outputs_as_early_as_possible(gm, assigned, depth)
+    _outputs_as_early_as_possible(gm, assigned, depth, is_barrier)
     # An element of a multi-output op stays with the op (a tuple never crosses a region boundary); the
     # op's depth is at least its elements', so the edges out of the element still never climb.
     for node in gm.graph.nodes:
@@ -91,24 +91,27 @@ def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
     return [groups[d] for d in sorted(groups, reverse=True)]
 
 
-def _outputs_as_early_as_possible(gm: fx.GraphModule, assigned: set, depth: dict) -> None:
-    """Work whose only use is a graph output (a weight gradient, a value saved for the backward) moves to
-    the earliest group its inputs allow, so the activations it reads are freed in their own layer. Such a
-    node gets the least depth among its computed inputs (never below its users'); one that reads only
-    graph inputs joins its users. Depths only grow and never climb along an edge: still cycle-free."""
-    bound = set()  # assigned nodes all of whose uses lead only to the output
+def _outputs_as_early_as_possible(gm: fx.GraphModule, assigned: set, depth: dict, is_barrier) -> None:
+    """Work whose only use is a graph output (a weight gradient, a value saved for the backward), maybe through another
+    executor's op whose result is only returned (a `t` feeding its weight-gradient `mm`), moves to the earliest group
+    its inputs allow, so the activations it reads are freed in their own layer, not at the stage's end: the least depth
+    among its computed inputs; one that reads only graph inputs joins its users. Depths only grow, never climb an edge."""
+    bound = set()
     for node in reversed(gm.graph.nodes):
-        if node in assigned and node.users and all(u in bound or u.op == "output" for u in node.users) \
-                and not is_random(node):  # random ops keep their order: eager's draws
-            bound.add(node)
+        if node.users and node in assigned:  # random ops keep their order: eager's draws
+            if all(u in bound or u.op == "output" for u in node.users) and not is_random(node):
+                bound.add(node)
+        elif node.users and node.op in ("call_function", "call_module") and all(
+                u.op == "output" or (u in bound and computes_nothing(u.target)) for u in node.users):
+            bound.add(node)  # returned, maybe through views
     earliest: dict[fx.Node, float] = {}
     for node in gm.graph.nodes:
-        if node in bound:
-            earliest[node] = min((earliest[p] if p in bound else depth[_producer(p)] for p in node.all_input_nodes
+        if node in bound and node in assigned:
+            earliest[node] = min((earliest[p] if p in earliest else depth[_producer(p)] for p in node.all_input_nodes
                                   if p.op not in ("placeholder", "get_attr")), default=math.inf)
     for node in reversed(gm.graph.nodes):
-        if node in bound:
-            users = [depth[u] for u in node.users if u.op != "output"]
+        if node in earliest:
+            users = [depth[u] + is_barrier(u) for u in node.users if u.op != "output"]
             depth[node] = earliest[node] if earliest[node] != math.inf else max(users, default=depth[node])
 
 
