@@ -273,6 +273,29 @@ _op(aten.permute.default)(lambda fd, node, x, dims: fd.ops.permute(x, _dims(dims
 _op(aten.t.default)(lambda fd, node, x: fd.ops.permute(x, [1, 0]) if _rank(node) == 2 else x)
 
 
+def _slice_in_fusion(node: fx.Node) -> bool:
+    """A step-1 slice of static sizes read only by ops nvFuser translates, so it is sliced inside their fusion (the
+    loss's shifted fp32 logits were a region's 1 GiB output at the backward's start, beside the next region's)."""
+    step_1 = (list(node.args) + [1] * 5)[4] == 1
+    return step_1 and _static_shapes(node.args[0]) and all(u.target in OPS for u in node.users)
+
+
+@_op(aten.slice.Tensor, checker=_slice_in_fusion)
+def _slice(fd, node, x, dim=0, start=None, end=None, step=1):
+    shape = list(node_value(node.args[0]).shape)
+    starts, dim = [0] * len(shape), dim % len(shape)
+    starts[dim], shape[dim], _ = slice(start, end).indices(shape[dim])
+    return fd.ops.slice(x, starts, shape)
+
+
+@_op(aten.slice_backward.default, checker=lambda node: _static_shapes(node) and node.args[5] == 1)
+def _slice_backward(fd, node, grad, sizes, dim, start, end, step):  # zeros around the gradient: a pad (last dim first)
+    widths, dim = [0] * (2 * len(sizes)), dim % len(sizes)
+    begin, stop, _ = slice(start, end).indices(sizes[dim])
+    widths[2 * (len(sizes) - 1 - dim):2 * (len(sizes) - dim)] = [begin, sizes[dim] - stop]
+    return fd.ops.pad(grad, widths)
+
+
 @_op(aten.transpose.int)
 def _transpose(fd, node, x, d0, d1):
     rank = _rank(node)
@@ -304,5 +327,6 @@ def _expand(fd, node, x, shape, implicit=False):
 
 _LAYOUTOPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
                aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-               aten.expand.default, aten.clone.default, aten.alias.default,
-               aten.lift_fresh_copy.default, aten._to_copy.default, prims.convert_element_type.default}
+               aten.expand.default, aten.clone.default, aten.alias.default, aten.slice.Tensor,
+               aten.slice_backward.default, aten.lift_fresh_copy.default, aten._to_copy.default,
+               prims.convert_element_type.default}
