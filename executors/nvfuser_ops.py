@@ -268,35 +268,6 @@ _op(aten.permute.default)(lambda fd, node, x, dims: fd.ops.permute(x, _dims(dims
 _op(aten.t.default)(lambda fd, node, x: fd.ops.permute(x, [1, 0]) if _rank(node) == 2 else x)
 
 
-def _outer_slice(node: fx.Node, dim: int, step: int) -> bool:
-    """A step-1 slice of static sizes off a dim other than the innermost (contiguous blocks: the loss's shifted logits,
-    else a 1 GiB fp32 region output at the backward's start); nvFuser's resize kernels slicing the innermost dim (RoPE's
-    halves, the q/k/v split) ran 4-10x over their memory-traffic bound. Its pad (`slice_backward`) likewise."""
-    rank = len(node_value(node).shape)
-    return step == 1 and dim % rank != rank - 1 and _static_shapes(node) and _static_shapes(node.args[0])
-
-
-def _slice_in_fusion(node: fx.Node) -> bool:
-    args = {**dict(zip(("self", "dim", "start", "end", "step"), node.args)), **node.kwargs}
-    return _outer_slice(node, args.get("dim", 0), args.get("step", 1)) and all(u.target in OPS for u in node.users)
-
-
-@_op(aten.slice.Tensor, checker=_slice_in_fusion)
-def _slice(fd, node, x, dim=0, start=None, end=None, step=1):  # read by nvFuser's ops: sliced inside their fusion
-    shape = list(node_value(node.args[0]).shape)
-    starts, dim = [0] * len(shape), dim % len(shape)
-    starts[dim], shape[dim], _ = slice(start, end).indices(shape[dim])
-    return fd.ops.slice(x, starts, shape)
-
-
-@_op(aten.slice_backward.default, checker=lambda node: _outer_slice(node, node.args[2], node.args[5]))
-def _slice_backward(fd, node, grad, sizes, dim, start, end, step):  # zeros around the gradient: a pad (last dim first)
-    widths, dim = [0] * (2 * len(sizes)), dim % len(sizes)
-    begin, stop, _ = slice(start, end).indices(sizes[dim])
-    widths[2 * (len(sizes) - 1 - dim):2 * (len(sizes) - dim)] = [begin, sizes[dim] - stop]
-    return fd.ops.pad(grad, widths)
-
-
 @_op(aten.transpose.int)
 def _transpose(fd, node, x, d0, d1):
     rank = _rank(node)
@@ -328,6 +299,5 @@ def _expand(fd, node, x, shape, implicit=False):
 
 _LAYOUTOPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
                aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-               aten.expand.default, aten.clone.default, aten.alias.default, aten.slice.Tensor,
-               aten.slice_backward.default, aten.lift_fresh_copy.default, aten._to_copy.default,
-               prims.convert_element_type.default}
+               aten.expand.default, aten.clone.default, aten.alias.default,
+               aten.lift_fresh_copy.default, aten._to_copy.default, prims.convert_element_type.default}

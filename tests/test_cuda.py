@@ -178,28 +178,6 @@ def test_nvfuser_pow_by_a_scalar_matches_eager(exponent):
     assert {r.executor for r in table if r.stage == "forward"} == {"nvfuser"}, str(table)
 
 
-@pytest.mark.parametrize("start, end", [(1, None), (0, -1), (2, 5)])
-def test_nvfuser_slice_and_its_backward_match_eager(start, end):
-    """A slice read by a multiply is sliced inside nvFuser's fusion; its backward is nvFuser's pad."""
-    require_executors("nvfuser")
-
-    def fn(x):
-        return (x[:, start:end].float() * 3).sum(-1)
-
-    x = torch.randn(16, 24, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    cm = pipeline.jit(fn, executors=["nvfuser"])
-    out = cm(x)
-    (grad,) = torch.autograd.grad(out.sum(), x)
-    x2 = x.detach().clone().requires_grad_()
-    fn(x2).sum().backward()
-    torch.testing.assert_close(out, fn(x2), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad, x2.grad)
-    table = pipeline.regions(cm)
-    assert {r.executor for r in table} == {"nvfuser"}, str(table)
-    assert any("slice" in r.ops for r in table if r.stage == "forward"), str(table)
-    assert any("slice_backward" in r.ops for r in table if r.stage == "backward"), str(table)
-
-
 def relative_error(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
