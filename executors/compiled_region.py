@@ -20,8 +20,7 @@ class CompiledRegion(torch.nn.Module):
     def __init__(self, fn: Callable, region: Region, source: fx.GraphModule,
                  replace: Optional[Callable[[str], Callable]] = None):
         super().__init__()
-        self.fn, self.region = fn, region
-        self.source = source  # the region's ATen graph, for inspection
+        self.fn, self.region, self.source = fn, region, source  # source: the region's ATen graph, for inspection
         self.check = ResultCheck(source, region, replace)
         self.forward = self._checked_forward  # instance attributes: dropped after the first call
         self.call_boxed = self._checked_call_boxed

@@ -137,7 +137,6 @@ def _splice_with_values(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, fak
 
 
 def _storages(value) -> set:
-    """The storages of the tensors in a node's value."""
     from torch.multiprocessing.reductions import StorageWeakRef
     return {StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)}
 
@@ -178,7 +177,6 @@ def _signature(node: fx.Node) -> tuple:
 
 
 def _fake_run(node: fx.Node, fake_mode):
-    """The node's value recomputed from its inputs' fake values."""
     args, kwargs = pytree.tree_map(lambda a: node_value(a) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
     with fake_mode:
         return node.target(*args, **kwargs)

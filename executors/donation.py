@@ -20,8 +20,7 @@ def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int], may_alias: s
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     memory: dict[fx.Node, set] = {}  # node -> the storages its tensor may live in
     for node in gm.graph.nodes:
-        own = _storage_of(node)
-        memory[node] = {own} if own is not None else set()
+        memory[node] = {own} if (own := _storage_of(node)) is not None else set()
         if node.op == "call_function" and node.target is operator.getitem:
             if (region := node.args[0]).op == "call_module" and region.meta.get("executor") in may_alias:
                 for a in region.args:

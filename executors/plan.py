@@ -316,8 +316,7 @@ def _compile_with_fallback(source, region, first: Executor, order, fallback, fin
         else:
             if callable(fn):
                 region.compile_seconds = time.perf_counter() - start
-                region.executor = ex.name
-                region.fallback_reason = "; ".join(reasons) or None
+                region.executor, region.fallback_reason = ex.name, "; ".join(reasons) or None
                 return fn, failed
             why = f"compile_region returned {type(fn).__name__}, not a callable"
         failed = True

@@ -30,8 +30,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     x2 = x.reshape(-1, x.shape[-1])
     shape = (*x.shape[:-1], weight.shape[0])
     if not fp8:
-        y = general_gemm(weight, x2, out_dtype=x.dtype, layout="TN", bias=bias)[0]
-        return [y.view(shape)]
+        return [general_gemm(weight, x2, out_dtype=x.dtype, layout="TN", bias=bias)[0].view(shape)]
     if (state := delayed_state(scaling) if scaling >= 0 else None) is None:
         qx = qw = current_quantizer("e4m3", columnwise=False)
     else:

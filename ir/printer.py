@@ -116,9 +116,8 @@ def _expression(node: fx.Node, names: _Names) -> str:
 
 def _callable_name(fn) -> str:
     if isinstance(fn, torch._ops.OpOverload):
-        ns = fn.namespace
-        base = f"{ns}." if ns in ("aten", "prims") else f"torch.ops.{ns}."
-        return f"{base}{fn._opname}.{fn._overloadname}"
+        prefix = "" if fn.namespace in ("aten", "prims") else "torch.ops."
+        return f"{prefix}{fn.namespace}.{fn._opname}.{fn._overloadname}"
     if isinstance(fn, torch._ops.OpOverloadPacket):
         return f"torch.ops.{fn._qualified_op_name.replace('::', '.')}"
     module = getattr(fn, "__module__", None)
@@ -127,8 +126,7 @@ def _callable_name(fn) -> str:
         return f"operator.{fn.__name__}"
     if module == "builtins" or getattr(builtins, qualname, None) is fn:
         return qualname
-    if module and module.startswith("torch"):
-        # torch functions often live in private modules but are exposed publicly (torch._C._nn.gelu).
+    if module and module.startswith("torch"):  # often defined in a private module, public elsewhere (torch._C._nn.gelu)
         for public in ("torch", "torch.nn.functional", "torch.Tensor"):
             if getattr(eval(public, {"torch": torch}), getattr(fn, "__name__", ""), None) is fn:
                 return f"{public}.{fn.__name__}"
@@ -145,10 +143,8 @@ def _format(a: Any, names: _Names) -> str:
         return "[" + ", ".join(_format(x, names) for x in a) + "]"
     if isinstance(a, dict):
         return "{" + ", ".join(f"{k!r}: {_format(v, names)}" for k, v in a.items()) + "}"
-    if isinstance(a, float):
-        if math.isinf(a):
-            return "inf" if a > 0 else "-inf"
-        return "nan" if math.isnan(a) else repr(a)
+    if isinstance(a, float) and not math.isfinite(a):
+        return "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")
     if isinstance(a, (torch.dtype, torch.layout, torch.memory_format)):
         return str(a)
     if isinstance(a, torch.device):

@@ -75,10 +75,7 @@ def binds(value) -> set:
     """The symbols an input with this (fake) value binds: its sizes and strides that are plain
     symbols, or itself if it is a SymInt equal to a plain symbol."""
     import sympy
-    if isinstance(value, _SYMBOLIC):
-        expr = value.node.expr
-        return {expr} if isinstance(expr, sympy.Symbol) else set()
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (*_SYMBOLIC, torch.Tensor)):
         return {e for e in _exprs(value, offsets=False) if isinstance(e, sympy.Symbol)}
     return set()
 

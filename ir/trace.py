@@ -118,8 +118,7 @@ class Trace:
         metadata (fake tensors shared, never mutated), constants and submodules shared. Its Python
         code is generated when it is first run or printed: a pass changing the graph would make it stale."""
         graph = fx.Graph()
-        out = graph.graph_copy(self.graph, {})  # the output's value, mapped into `graph`
-        graph.output(out).meta = dict(self.output_node().meta)
+        graph.output(graph.graph_copy(self.graph, {})).meta = dict(self.output_node().meta)
         return _LazyGraphModule(self._gm, graph, class_name=type(self._gm).__name__)
 
     def derive(self, gm: fx.GraphModule, *, by: str, seconds: float = 0.0, name: Optional[str] = None,

@@ -24,8 +24,7 @@ def verify(trace: Trace) -> Trace:
                 raise TraceError(f"{where}: node {node.name!r} uses {used.name!r} from another graph")
             if used not in seen:
                 raise TraceError(f"{where}: node {node.name!r} uses {used.name!r} before it is defined")
-        if node.op not in ("output", "get_attr") and node.users \
-                and "val" not in node.meta and "example_value" not in node.meta:
+        if node.op not in ("output", "get_attr") and node.users and not node.meta.keys() & {"val", "example_value"}:
             raise TraceError(f"{where}: node {node.name!r} ({node.format_node()}) has no shape/dtype "
                              f"metadata (meta['val']); passes must set it on the nodes they create")
         seen.add(node)

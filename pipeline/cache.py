@@ -49,9 +49,7 @@ def cache_root() -> str:
 def disabled_reason(option: bool) -> Optional[str]:
     if not option:
         return "jit(..., cache=False)"
-    if os.environ.get("PIPELINE_CACHE", "1").lower() in ("0", "false", "off", "no"):
-        return "PIPELINE_CACHE=0"
-    return None
+    return "PIPELINE_CACHE=0" if os.environ.get("PIPELINE_CACHE", "1").lower() in ("0", "false", "off", "no") else None
 
 
 # -- the key --------------------------------------------------------------------------------------
@@ -327,14 +325,12 @@ class GraphCache:
             _changed.add(self)
 
     def _miss(self, why: str) -> None:
-        if self.record.cache == "hit" or self.record.cache == "miss":
-            self.record.cache = "miss"
+        self.record.cache = "miss"
         self.record.cache_notes.append(why)
         log.info("%s: cache miss: %s", self.record.graph_id, why)
 
     def _save(self) -> None:
-        if self.record.cache == "hit" and self.stored is not None and \
-                all(s in self.stored["stages"] for s in self.entry["stages"]):
+        if self.record.cache == "hit" and all(s in self.stored["stages"] for s in self.entry["stages"]):
             return  # nothing new to write
         start = time.perf_counter()
         try:

@@ -410,7 +410,6 @@ def check_built_in(before: Trace, after: Trace, step: str, record: GraphRecord) 
 
 
 def timed_verify(record: GraphRecord, trace: Trace) -> Trace:
-    """The structural verifier on a stage's output (`ir.verify`), its time counted."""
     start = time.perf_counter()
     verify(trace)
     record.seconds["verify"] += time.perf_counter() - start

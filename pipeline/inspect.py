@@ -160,8 +160,7 @@ def explain(fn_or_module: Callable, *args, **kwargs) -> Explanation:
     out = torch._dynamo.explain(fn_or_module)(*args, **kwargs)
     breaks = []
     for b in out.break_reasons:
-        frame = b.user_stack[-1] if b.user_stack else None
-        where = f"{frame.filename}:{frame.lineno}" if frame else "unknown"
+        where = f"{b.user_stack[-1].filename}:{b.user_stack[-1].lineno}" if b.user_stack else "unknown"
         breaks.append(GraphBreak(reason=b.reason.splitlines()[0], where=where))
     return Explanation(graphs=out.graph_count, graph_breaks=breaks,
                        ops_per_graph=[sum(n.op.startswith("call_") for n in g.graph.nodes) for g in out.graphs])

@@ -89,9 +89,7 @@ def _label(spec: InputSpec) -> str:
 def _kind_from_source(node: fx.Node) -> InputKind:
     if "._parameters[" in (name := _source_name(node) or ""):
         return InputKind.PARAMETER
-    if "._buffers[" in name:
-        return InputKind.BUFFER
-    return InputKind.USER_INPUT
+    return InputKind.BUFFER if "._buffers[" in name else InputKind.USER_INPUT
 
 
 def _source_name(node: fx.Node) -> Optional[str]:

@@ -63,8 +63,7 @@ class StageCode(OutputCode):
     def __setstate__(self, state):
         self.stage, self.lowered, self.assignment = state["stage"], state["lowered"], state["assignment"]
         self.why_not, self._graph_bytes, self._trace_fields = state["why_not"], state["graph"], state["trace"]
-        self.boxed_code = state["boxed"]
-        self.run, self.executed, self._boxed_call = None, None, True
+        self.boxed_code, self.run, self.executed, self._boxed_call = state["boxed"], None, None, True
 
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.run is not None:
