@@ -92,15 +92,16 @@ def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
 
 
 def _outputs_as_early_as_possible(gm: fx.GraphModule, assigned: set, depth: dict, is_barrier) -> None:
-    """Work whose only use is a graph output (a weight gradient, a value saved for the backward), maybe through another
-    executor's op whose result is only returned (a `t` feeding its weight-gradient `mm`), moves to the earliest group
-    its inputs allow, so the activations it reads are freed in their own layer, not at the stage's end: the least depth
-    among its computed inputs; one that reads only graph inputs joins its users. Depths only grow, never climb an edge."""
+    """Work whose only use is a graph output (a weight gradient, a value saved for the backward), maybe through
+    another executor's op whose result is only returned (a `t` feeding its weight-gradient `mm`), moves to the
+    earliest group its inputs allow, so the activations it reads are freed in their own layer, not at the stage's
+    end: the least depth among its computed inputs; one that reads only graph inputs joins its users. Depths only
+    grow and never climb an edge: still cycle-free."""
     bound = set()
     for node in reversed(gm.graph.nodes):
-        if node.users and node in assigned:  # random ops keep their order: eager's draws
+        if node.users and node in assigned:
             if all(u in bound or u.op == "output" for u in node.users) and not is_random(node):
-                bound.add(node)
+                bound.add(node)  # random ops keep their order: eager's draws
         elif node.users and node.op in ("call_function", "call_module") and all(
                 u.op == "output" or (u in bound and computes_nothing(u.target)) for u in node.users):
             bound.add(node)  # returned, maybe through views

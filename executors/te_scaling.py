@@ -169,9 +169,9 @@ class DelayedScalingState:
             return dict(self.pending)
         if self.pending and not self.warned:
             self.warned = True
-            warnings.warn(f"te fp8: loaded scaling state for {sorted(self.pending)} matched no linear that ran (kept, and saved "
-                          f"again). Grouped linears (te's default) keep one state under the group's first member: load a "
-                          f"checkpoint with the te.options(group_linears=...) it was saved with")
+            warnings.warn(f"te fp8: loaded scaling state for {sorted(self.pending)} matched no linear that ran "
+                          f"(kept, and saved again). Grouped linears (te's default) keep one state under the group's "
+                          f"first member: load a checkpoint with the te.options(group_linears=...) it was saved with")
         out = dict(self.pending)
         for name, i in self.names.items():
             if i not in self.ran:  # registered, not run yet
@@ -192,8 +192,9 @@ class DelayedScalingState:
         self.ran.add(i)  # loaded state is saved again even before the linear runs
         scale, history = tensors["fp8_scale"], tensors["fp8_amax_history"]
         if tuple(history.shape) != (self.recipe.amax_history_len, 3) or scale.numel() != 3:
-            raise ValueError(f"te fp8 state of {name}: amax history {tuple(history.shape)} and scales {tuple(scale.shape)} do "
-                             f"not fit this recipe (expected ({self.recipe.amax_history_len}, 3) and (3,): its amax_history_len)")
+            raise ValueError(f"te fp8 state of {name}: amax history {tuple(history.shape)} and scales "
+                             f"{tuple(scale.shape)} do not fit this recipe (expected "
+                             f"({self.recipe.amax_history_len}, 3) and (3,): its amax_history_len)")
         (fh, fs), (bh, bs) = self.forward.view(2 * i, 2), self.backward.view(i, 1)
         for mine, loaded in ((fs, scale[:2]), (bs, scale[2:]), (fh, history[:, :2]), (bh, history[:, 2:])):
             mine.copy_(loaded)

@@ -129,8 +129,9 @@ def _runner(model_or_fn, state: CompileState):
     """What compiles and runs it. Each has its own backend object, which Dynamo's guards tell apart."""
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         return GradCapture(model_or_fn, state)
-    return torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=state.config.fullgraph,
-                         dynamic=state.config.dynamic, **_own_recompile_budget())
+    config = state.config
+    return torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=config.fullgraph,
+                         dynamic=config.dynamic, **_own_recompile_budget())
 
 
 def _own_recompile_budget() -> dict:
@@ -260,7 +261,8 @@ def _call(jitted, args, kwargs):
 def _any_global_module_hook() -> bool:
     """Dynamo guards global module hooks (register_module_forward_hook, ...) only where its capture saw some."""
     m = torch.nn.modules.module
-    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_pre_hooks or m._global_backward_hooks)
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks
+                or m._global_backward_pre_hooks or m._global_backward_hooks)
 
 
 def _generalize_on_shape_change(history: CallHistory, args, kwargs) -> None:

@@ -76,8 +76,9 @@ def _refuse_stale_optimizer(optimizer, args, kwargs) -> None:
     after it) steps tensors the compiled code never reads: what they stood for would silently not train."""
     if stale := {p.pipeline_replaced_by for g in optimizer.param_groups for p in g["params"]
                  if hasattr(p, "pipeline_replaced_by")}:
-        raise RuntimeError(f"{type(optimizer).__name__} holds parameters that {', '.join(sorted(stale))} replaced, which nothing trains: "
-                           f"build it after jit from cm.parameters() (a parent module's parameters() does not reach them: add them)")
+        raise RuntimeError(f"{type(optimizer).__name__} holds parameters that {', '.join(sorted(stale))} replaced, "
+                           f"which nothing trains: build it after jit from cm.parameters() (a parent module's "
+                           f"parameters() does not reach them: add them)")
 
 
 def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:

@@ -46,7 +46,8 @@ class Materialize:
             owed = [(prefix, m, name, _poison(getattr(m, name))) for prefix, m, name in owed]
             for _, module in needs_init:
                 module.reset_parameters()
-        if unset := [f"{prefix}.{name}".lstrip(".") for prefix, m, name, mark in owed if _poisoned(getattr(m, name), mark)]:
+        if unset := [f"{prefix}.{name}".lstrip(".") for prefix, m, name, mark in owed
+                     if _poisoned(getattr(m, name), mark)]:
             raise ValueError(f"materialize: reset_parameters() left {_listed(unset)} unset, wholly or in part (a value "
                              f"computed in __init__ is lost on the meta device): set it in reset_parameters()")
         if self.checkpoint is not None:  # the user asked for the file's values: loaded even with nothing on meta
