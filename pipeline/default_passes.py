@@ -9,7 +9,7 @@ skipped, the reason in `compile_stats` (`TracePass.optional`)."""
 import dataclasses
 
 from ir import Trace
-from transforms import TracePass, causal_attention, grouped_kv_attention
+from transforms import TracePass, causal_attention, grouped_kv_attention, shift_labels
 
 from .save_policy import recompute_fp8_casts, recompute_upcasts
 
@@ -29,6 +29,7 @@ def default_passes() -> list[TracePass]:
     """The pipeline's own passes, in the order they run."""
     return [dataclasses.replace(causal_attention(), optional=True),
             dataclasses.replace(grouped_kv_attention(), optional=True),
+            dataclasses.replace(shift_labels(), optional=True),
             TracePass(save_policy, runs_on="joint", name="save_policy", optional=True)]
 
 

@@ -11,7 +11,8 @@ from .materialize import Materialize, materialize
 from .mixed_precision import mixed_precision
 from .model_transform import ModelTransform
 from .quantize import quantize
+from .shift_labels import shift_labels
 
 __all__ = ["TracePass", "pass_factory", "trace_pass", "as_pass", "STAGES", "mixed_precision", "checkpoint", "cpu_offload", "group_linears",
-           "grouped_kv_attention", "causal_attention",
+           "grouped_kv_attention", "causal_attention", "shift_labels",
            "ModelTransform", "chain", "Chain", "quantize", "materialize", "Materialize", "fsdp", "FSDP"]
