@@ -77,6 +77,8 @@ def test_hugging_faces_older_spelling_and_the_losss_options_match_eager(kwargs):
      lambda x, t: F.cross_entropy(x[:, :-1].reshape(-1, V), F.one_hot(t[:, 1:], V).float().reshape(-1, V))),
     ("the shifted logits read twice", lambda x, t: (lambda s: F.cross_entropy(s.reshape(-1, V), t[:, 1:].reshape(-1))
                                                     + s.mean())(x[:, :-1])),
+    ("the shifted copy read twice", lambda x, t: (lambda s: F.cross_entropy(s.view(-1, V), t[:, 1:].reshape(-1))
+                                                  + s.mean())(x[:, :-1].contiguous())),
 ])
 def test_losses_the_pass_must_not_change_are_left_alone(name, loss_fn):
     check(loss_fn, torch.randn(2, 6, V), torch.randint(0, V, (2, 6)), applies=False)

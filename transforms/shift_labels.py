@@ -42,13 +42,13 @@ def _drops_each_rows_last(m: Match) -> bool:
     """[B, S, V] logits less position S-1 (static sizes), flattened to rows that only the loss reads; labels: B*(S-1)
     class indices (probabilities have no `ignore_index`)."""
     logits, labels, rows = m.value("logits"), m.value("labels"), m.value("rows")
-    if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and isinstance(labels, torch.Tensor)
-            and all(isinstance(n, int) for n in logits.shape)):
+    if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and all(isinstance(n, int) for n in logits.shape)):
         return False
     b, s, v = logits.shape
     return (s > 1 and _drops_last_position(m["index"], s) and tuple(rows.shape) == (b * (s - 1), v)
-            and not labels.is_floating_point() and tuple(labels.shape) == (b * (s - 1),)
-            and all(len(m[k].users) == 1 for k in ("shifted", "rows")))
+            and isinstance(labels, torch.Tensor) and not labels.is_floating_point()
+            and tuple(labels.shape) == (b * (s - 1),) and all(len(m[k].users) == 1 for k in ("shifted", "copy", "rows")
+                                                              if k in m))
 
 
 def _drops_last_position(index, s: int) -> bool:
@@ -67,10 +67,8 @@ def _read_all_rows(m: Match) -> None:
     (b, s, v), labels_value = m.value("logits").shape, m.value("labels")
     ignore = -100 if m["ignore_index"] is None else m["ignore_index"]
     m["shifted"].replace_all_uses_with(logits)
-    if "copy" in m:
-        copy = m["copy"]
-        copy.meta["val"] = copy.meta["example_value"] = fake_like(
-            m.value("copy"), (b, s, v), dtype=torch.float32 if copy.target == "float" else m.value("logits").dtype)
+    if "copy" in m:  # `.contiguous()` or `.float()`, now of the whole logits
+        m["copy"].meta["val"] = m["copy"].meta["example_value"] = fake_like(m.value("copy"), (b, s, v))
     rows.args = (rows.args[0], -1, v)
     rows.meta["val"] = rows.meta["example_value"] = fake_like(m.value("rows"), (b * s, v))
     with graph.inserting_before(loss):
