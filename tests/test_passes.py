@@ -114,7 +114,8 @@ def _passes_run(cm):
 
 
 def test_default_passes_are_listed_and_run_after_the_users():
-    assert [p.name for p in pipeline.default_passes()] == ["causal_attention", "grouped_kv_attention", "save_policy"]
+    assert [p.name for p in pipeline.default_passes()] == ["causal_attention", "grouped_kv_attention", "shift_labels",
+                                                        "save_policy"]
     model = Bf16LogitsFp32Loss()
     cm = pipeline.jit(model, executors=["torch"])
     cm(torch.randn(4, 8, dtype=torch.bfloat16)).backward()
