@@ -1,7 +1,9 @@
-"""The cross-entropy's backward as pointwise ops, for a fusion executor that takes the loss whole (`nvfuser`:
+"""The cross-entropy as pointwise ops and row sums, for a fusion executor that takes the loss whole (`nvfuser`:
 docs/executors.md). Autograd's NLL backward scatters into a zero [tokens, vocab] buffer whose rows log-softmax's
 backward then sums; the sum is that one entry, so the gradient is `scale * (one_hot - exp(log_probs))` with no
-buffer and no reduction, and its cast back to half precision moves before the shift's `slice_backward`."""
+buffer and no reduction, and its cast back to half precision moves before the shift's `slice_backward`. NLL's forward
+(a gather) becomes a row sum of the one-hot entries, so the fusion making the log-probabilities reduces them too and
+the fp32 [tokens, vocab] values are never written."""
 
 import torch
 
@@ -18,6 +20,9 @@ NLL_BACKWARD = Call(aten.nll_loss_backward.default,
                     reduction="reduction", ignore_index="ignore_index", total_weight="total_weight")
 GRADIENT = Call(aten._log_softmax_backward_data.default, ("grad_output", "output", "dim", "input_dtype"),
                 grad_output=NLL_BACKWARD, output="log_probs", dim=lambda d: d in (1, -1), input_dtype="dtype")
+NLL_FORWARD = Call(aten.nll_loss_forward.default, ("input", "target", "weight", "reduction", "ignore_index"),
+                  input="log_probs", target="target", weight=lambda w: w is None, reduction="reduction",
+                  ignore_index="ignore_index")
 CAST_OF_PADDED = Call(aten._to_copy.default, ("x", "dtype", "layout", "device", "pin_memory", "non_blocking",
                                               "memory_format"), x=Call(aten.slice_backward.default, (
     "grad_output", "input_sizes", "dim", "start", "end", "step"), bind="padded", grad_output="grad"))
@@ -26,7 +31,8 @@ CAST_OF_PADDED = Call(aten._to_copy.default, ("x", "dtype", "layout", "device", 
 def pointwise_loss_gradient(trace: Trace) -> Trace:
     """On the joint graph; `trace` itself when it has neither pattern."""
     gm = trace.editable()
-    done = rewrite(gm.graph, [(GRADIENT, _pointwise, _plain_nll_on_rows), (CAST_OF_PADDED, _cast_first, _only_a_cast)])
+    done = rewrite(gm.graph, [(GRADIENT, _pointwise, _plain_nll_on_rows), (CAST_OF_PADDED, _cast_first, _only_a_cast),
+                              (NLL_FORWARD, _row_sum, _computed_rows)])
     if not done:
         return trace
     erase_unread([m["nll"] for m in done if "nll" in m])
@@ -51,6 +57,27 @@ def _gradient(grad, log_probs, target, total_weight, reduction, ignore_index, dt
     scale = torch.where(target != ignore_index, scale, torch.zeros_like(scale))
     one_hot = torch.arange(log_probs.shape[1], device=target.device) == target.unsqueeze(1)
     return (scale.unsqueeze(1) * (one_hot.to(log_probs.dtype) - log_probs.exp())).to(dtype)
+
+
+def _computed_rows(m: Match) -> bool:
+    """NLL over [tokens, classes] computed in the graph (a row sum of a graph input would read all of it, not a gather's
+    one entry a row)."""
+    return m.value("log_probs").dim() == 2 and m["log_probs"].op == "call_function" and m["reduction"] in (0, 1, 2)
+
+
+def _row_sum(m: Match) -> None:
+    replace_by_traced(m.root, _nll, *(m[k] for k in ("log_probs", "target", "reduction", "ignore_index")))
+
+
+def _nll(log_probs, target, reduction, ignore_index):
+    """NLL's forward for weight None, its total weight as ATen's: the count of kept targets (0 without reduction)."""
+    kept = target != ignore_index
+    one_hot = torch.arange(log_probs.shape[1], device=target.device) == target.unsqueeze(1)
+    losses = torch.where(kept, -torch.where(one_hot, log_probs, 0.0).sum(1), 0.0)
+    if reduction == 0:
+        return losses, log_probs.new_zeros(())
+    total_weight = kept.sum().to(log_probs.dtype)
+    return (losses.sum() / total_weight if reduction == 1 else losses.sum()), total_weight
 
 
 def _only_a_cast(m: Match) -> bool:

@@ -190,3 +190,21 @@ def assert_llama_step_matches_eager(config, executors, batch=2):
         torch.testing.assert_close(grads[n], p.grad.float(), atol=2e-2, rtol=5e-2, msg=n)
     assert_compiled_by(cm, list(executors))
     return cm
+
+
+def values_passed_between_regions(cm, stage=None) -> list:
+    """The tensors one region of a stage returns and a later region of the same stage reads (what a
+    split island writes to memory; a stage's own inputs and outputs, saved activations included, are
+    not counted); of the stage named `stage` alone if given."""
+    import pipeline
+    from ir import node_value
+    passed = []
+    for trace in pipeline.last_traces(cm):
+        if stage is not None and trace.stage.value != stage:
+            continue
+        regions = {n for n in trace.module.graph.nodes if n.op == "call_module"}
+        for node in trace.module.graph.nodes:
+            if node.op == "call_function" and node.args and node.args[0] in regions:  # an element of a region's result
+                if any(u in regions for u in node.users):
+                    passed.append(node_value(node))
+    return [v for v in passed if isinstance(v, torch.Tensor)]

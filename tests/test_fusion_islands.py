@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pipeline
-from helpers import assert_llama_step_matches_eager
+from helpers import assert_llama_step_matches_eager, values_passed_between_regions
 from models import LlamaConfig
 
 pytestmark = pytest.mark.inductor
@@ -24,21 +24,6 @@ def test_no_fp32_logits_sized_value_crosses_regions_with_nvfuser_listed(nvfuser_
     logits_fp32 = [v for v in passed if v.dtype == torch.float32 and v.dim() and v.shape[-1] == config.vocab]
     assert not logits_fp32, f"{[tuple(v.shape) for v in logits_fp32]}\n{table}"
     assert any("joined inductor's" in (r.fallback_reason or "") for r in table), str(table)
-
-
-def values_passed_between_regions(cm) -> list:
-    """The tensors one region of a stage returns and a later region of the same stage reads (what a
-    split island writes to memory; a stage's own inputs and outputs, saved activations included, are
-    not counted)."""
-    from ir import node_value
-    passed = []
-    for trace in pipeline.last_traces(cm):
-        regions = {n for n in trace.module.graph.nodes if n.op == "call_module"}
-        for node in trace.module.graph.nodes:
-            if node.op == "call_function" and node.args and node.args[0] in regions:  # an element of a region's result
-                if any(u in regions for u in node.users):
-                    passed.append(node_value(node))
-    return [v for v in passed if isinstance(v, torch.Tensor)]
 
 
 def test_te_nvfuser_inductor_on_the_cpu_matches_eager(te_on_cpu, nvfuser_claims_on_cpu):

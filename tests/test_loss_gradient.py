@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeline
-from helpers import assert_step_matches_eager, require_executors
+from helpers import assert_step_matches_eager, require_executors, values_passed_between_regions
 from models import LanguageModelLoss, Llama, LlamaConfig
 
 aten = torch.ops.aten
@@ -45,6 +45,11 @@ def test_each_reduction_with_ignored_targets_gives_eagers_gradients(nvfuser_clai
     assert aten.exp.default in backward and aten.eq.Tensor in backward  # the pointwise form
     gradient = [r for r in pipeline.regions(cm) if r.stage == "backward" and "eq" in r.ops]
     assert gradient and all(r.executor == "nvfuser" and "exp" in r.ops for r in gradient), str(pipeline.regions(cm))
+    forward = [r for r in pipeline.regions(cm) if r.stage == "forward"]
+    assert aten.nll_loss_forward.default not in _ops(_stage(cm, "_forward"))  # a row sum of the one-hot entries
+    assert [r.executor for r in forward if "exp" in r.ops] == ["nvfuser"], str(pipeline.regions(cm))
+    rows = [v for v in values_passed_between_regions(cm, "forward") if tuple(v.shape) == (24, VOCAB)]
+    assert len(rows) == 1, rows  # the logits (torch's addmm) reach nvFuser; no log-probabilities leave it
 
 
 def test_every_target_ignored_gives_zero_gradients_as_in_eager(nvfuser_claims_on_cpu):
@@ -59,10 +64,11 @@ def test_every_target_ignored_gives_zero_gradients_as_in_eager(nvfuser_claims_on
 
 
 def test_llama_loss_saves_bf16_logits_and_pads_in_bf16(nvfuser_claims_on_cpu):
+    """The shift left as a slice (`shift_labels` off): its backward pads the gradient cast to bf16 first."""
     torch.manual_seed(0)
     model = LanguageModelLoss(Llama(LlamaConfig(layers=1, vocab=VOCAB, max_seq=64)), fp32_loss=True).to(torch.bfloat16)
     tokens = torch.randint(0, VOCAB, (2, 32))
-    cm = pipeline.jit(model, executors=[nvfuser_claims_on_cpu])
+    cm = pipeline.jit(model, executors=[nvfuser_claims_on_cpu], transforms=[pipeline.without("shift_labels")])
     assert_step_matches_eager(model, cm, tokens, rtol=2e-2, atol=1e-3)
     forward = _stage(cm, "_forward")
     saved = [o.meta["val"] for o in forward.output_node().args[0][1:] if isinstance(o.meta.get("val"), torch.Tensor)]
