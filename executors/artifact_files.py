@@ -105,9 +105,7 @@ def read_file(path: str, what: str = "entry", *, private: bool = False, limit: i
         if st.st_size > limit:
             raise Skipped(f"{what} {path} is {st.st_size} bytes, over the {limit}-byte limit")
         chunks, left = [], st.st_size + 1  # one more byte: a file that grew is noticed
-        while left > 0:
-            if not (chunk := os.read(fd, min(left, 1 << 24))):
-                break
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
             chunks.append(chunk)
             left -= len(chunk)
         if len(data := b"".join(chunks)) > st.st_size:

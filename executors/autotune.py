@@ -84,9 +84,7 @@ class Race:
 def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem) -> tuple[float, float]:
     """Median ms of `fn` on `args` and their median absolute deviation (donated inputs copied per run)."""
     def run_once() -> tuple[Callable, list]:
-        fresh = list(args)
-        for i in donated:
-            fresh[i] = fresh[i].clone()
+        fresh = [a.clone() if i in donated else a for i, a in enumerate(args)]
         run = getattr(fn, "boxed", None)
         return (run, fresh) if run is not None else (lambda a: fn(*a), fresh)
 

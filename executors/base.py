@@ -1,6 +1,5 @@
-"""The `Executor` protocol: what an executor claims (`claims_table` or `claims_op`) and how it compiles a
-region (`compile_region`); the optional hooks, grouped by capability (`Cacheable`, `PerModel`,
-`PreparesGraph`), keep neutral defaults in `Executor`. The guide: docs/executors.md, "Writing an executor"."""
+"""The `Executor` protocol: what it claims (`claims_table` or `claims_op`), how it compiles a region (`compile_region`);
+hooks by capability (`Cacheable`, `PerModel`, `PreparesGraph`) default neutrally (docs/executors.md)."""
 
 import functools
 import importlib

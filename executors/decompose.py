@@ -28,9 +28,8 @@ def _is_composite(op) -> bool:
 
 
 def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.GraphModule]:
-    """The decomposition of `node` as a graph over its tensor/SymInt inputs, or None if it has none (or
-    it declines, or only reproduces the op). With `table`, traced through that table recursively, as
-    `make_fx(decomposition_table=table)` would; without, through its registered decomposition, one level."""
+    """`node`'s decomposition as a graph over its tensor/SymInt inputs; None if it has none, declines or reproduces the
+    op. With `table`: traced through it recursively (as `make_fx` does); else its registered one, one level."""
     if (fn := node.target if table is not None else decomposition_of(node.target)) is None:
         return None
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
@@ -79,10 +78,9 @@ class NotDecomposable(Exception):
 
 
 def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
-    """A copy of `gm` with every op that `table` decomposes (or that has a CompositeImplicit kernel)
-    replaced by its decomposition, each distinct op and input signature traced once. Values are derived
-    again at each splice (and its views), so fake values alias as the values do (Inductor's passes read
-    that). Raises `NotDecomposable` on symbolic shapes or a decomposition changing the op's metadata."""
+    """A copy of `gm` with each op `table` decomposes (or with a CompositeImplicit kernel) replaced by its
+    decomposition, each op/signature traced once; values re-derived at each splice (and its views) so fake values alias
+    as real ones do (Inductor's passes read that). Raises `NotDecomposable` on symbolic shapes or changed metadata."""
     graph = copy.deepcopy(gm.graph)
     if (fake_mode := _fake_mode_of([node_value(n) for n in graph.nodes if n.op == "placeholder"])) is None:
         raise NotDecomposable("the graph's inputs carry no fake values")

@@ -1,7 +1,6 @@
-"""The dispatcher: assigns every op of an ATen trace to an executor, decomposing lazily (one level at a
-time, only when listed executors claim every part; docs/design.md, "Dispatch"). Otherwise the op stays
-whole on `torch`: splitting `cumsum` into a masked O(n²) sum so that one `mul` of it can be fused would
-make the program slower and change its numerics for nothing. Every fallback records why."""
+"""The dispatcher: assigns each ATen op to an executor, decomposing lazily (a level at a time, where listed executors
+claim every part: docs/design.md); otherwise the op stays whole on `torch`: splitting `cumsum` into a masked O(n²) sum
+to fuse one `mul` of it slows it and changes its numerics for nothing. Every fallback records why."""
 
 import dataclasses
 import operator

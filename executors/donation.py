@@ -11,10 +11,9 @@ from ir import node_value
 
 
 def mark_donated_inputs(gm: fx.GraphModule, donated: Sequence[int], may_alias: set[str] = frozenset()) -> None:
-    """Sets `meta["donated"]` on a region's placeholder when the stage input it receives is donated, this region is
-    the last to read it or any tensor sharing its memory, and no other input of this region shares that memory
-    (docs/executors.md, `inductor`). Memory is told apart by fake storages; outputs of regions of executors in
-    `may_alias` (whose kernels may return an input where the trace copies) share all their region's inputs'."""
+    """Sets `meta["donated"]` on a region's placeholder when its stage input is donated, this region reads it (or a
+    tensor sharing its memory) last, and no other of its inputs shares it. Memory is told apart by fake storages; a
+    `may_alias` executor's region (it may return an input) gives its outputs all its inputs' storages."""
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     candidates = {inputs[i] for i in donated if i < len(inputs)}
     order = {n: k for k, n in enumerate(gm.graph.nodes)}

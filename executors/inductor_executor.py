@@ -72,9 +72,8 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         return _library_ops()
 
     def decompositions_before_partition(self) -> dict:
-        """As torch.compile's AOTAutograd decomposes them: with `detach` and log-softmax whole, the partitioner
-        saves the loss's fp32 log-probabilities (1 GiB at 8192 tokens x 32000); decomposed, the bf16 logits
-        and two [tokens, 1] reductions (tests/test_partition_memory.py checks what is saved)."""
+        """As torch.compile's AOTAutograd does: with `detach` and log-softmax whole, the partitioner saves the loss's
+        fp32 log-probabilities (1 GiB at 8192 tokens x 32000); decomposed, the bf16 logits and two [tokens, 1] sums."""
         table = _decompositions(self.fallback_random)
         return {op: table[op] for op in _DECOMPOSE_BEFORE_PARTITION if op in table}
 
@@ -101,8 +100,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
     # -- the compiled-artifact cache -------------------------------------------------------------
     def cache_token(self) -> str:
         from torch._inductor import config
-        # Global flags Inductor bakes into kernels, as its own FX graph cache keys them: deterministic
-        # mode (no atomic adds in index_put, say) and the matmul precision settings.
+        # Global flags Inductor bakes into kernels (its FX graph cache keys them): deterministic mode, matmul precision
         matmul = torch.backends.cuda.matmul
         return (f"inductor fallback_random={self.fallback_random} config={_portable_config_hash(config.get_hash())} "
                 f"deterministic={torch.are_deterministic_algorithms_enabled()} "
@@ -130,8 +128,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         return pickle.dumps({"graph": pickle.dumps(stored), "files": files})
 
     def load_region(self, data: bytes, gm: fx.GraphModule, example_inputs: Sequence):
-        """Loaded with Inductor's cache dir set to the pipeline cache's own (docs/cache.md, "What is
-        checked before anything runs", 3.)."""
+        """Loads with Inductor's cache dir set to ours (docs/cache.md, "What is checked before anything runs", 3.)."""
         from torch._inductor.output_code import CompiledFxGraphConstants
         from torch._inductor.utils import BoxedBool
 
@@ -339,10 +336,9 @@ def _static_stride(stride) -> tuple[int, ...] | None:
 
 
 def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
-    """The region with Inductor's own decompositions applied (op by op, `decompose_graph`; re-traced
-    whole where that cannot be done), then its graph-level rewrites (`joint_graph_passes`), as
-    torch.compile's AOTAutograd and partitioner do before `compile_fx_inner`. Without the rewrites,
-    NLL's backward keeps `zeros + scatter` (a logits-sized fp32 buffer) instead of a one-hot inline."""
+    """The region with Inductor's decompositions applied (op by op, `decompose_graph`; re-traced whole where that cannot
+    be done), then its graph-level rewrites (`joint_graph_passes`), as torch.compile does before `compile_fx_inner`.
+    Without the rewrites, NLL's backward keeps `zeros + scatter` (a logits-sized fp32 buffer), not a one-hot inline."""
     from torch._guards import detect_fake_mode
     from torch._inductor import config
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes

@@ -42,10 +42,9 @@ def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[s
 
 
 def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallback: str) -> None:
-    """A fusible island (ops of fusion executors between library kernels and other executors' ops,
-    grouped as `partition` groups one executor's ops) that claims split between two fusion executors
-    goes whole to the first that claims all of it (why: docs/design.md, "Dispatch"; with `[nvfuser,
-    inductor]` the split loss tail cost 2.8 GiB on the H200). Moved ops get `meta["island"]`."""
+    """A fusible island (fusion executors' ops between library kernels and other executors' ops, grouped as `partition`
+    groups) split between two fusion executors goes whole to the first that takes all of it (why: docs/design.md,
+    "Dispatch"; split, the loss tail cost 2.8 GiB on the H200). Moved ops get `meta["island"]`."""
     fusion = {e.name: e for e in executors if e.kind == "fusion" and e.name != fallback}  # in priority order
     library = set().union(*(e.library_ops() for e in fusion.values()))
     members = {n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") in fusion
@@ -92,11 +91,10 @@ def _by_barrier_depth(gm: fx.GraphModule, assigned: set) -> list[list[fx.Node]]:
 
 
 def _outputs_as_early_as_possible(gm: fx.GraphModule, assigned: set, depth: dict, is_barrier) -> None:
-    """Work whose only use is a graph output (a weight gradient, a value saved for the backward), maybe through
-    another executor's op whose result is only returned (a `t` feeding its weight-gradient `mm`), moves to the
-    earliest group its inputs allow, so the activations it reads are freed in their own layer, not at the stage's
-    end: the least depth among its computed inputs; one that reads only graph inputs joins its users. Depths only
-    grow and never climb an edge: still cycle-free."""
+    """Work whose only use is a graph output (a weight gradient, a value saved for the backward), maybe through another
+    executor's op whose result is only returned (a `t` feeding its weight-gradient `mm`), moves to the earliest group
+    its inputs allow (the least depth among its computed inputs; with none, its users'), so the activations it reads are
+    freed in their own layer, not at the stage's end. Depths only grow and never climb an edge: still cycle-free."""
     bound = set()
     for node in reversed(gm.graph.nodes):
         if node.users and node in assigned:

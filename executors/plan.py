@@ -57,12 +57,11 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
              artifacts: Optional[dict[str, RegionArtifact]] = None,
              donated: Sequence[int] = (), on_fallback: Optional[Callable[[str], None]] = None,
              autotune: Optional[Callable[[float], None]] = None, partitioned: Optional[Assignment] = None) -> Execution:
-    """Assigns, partitions and compiles `trace` (see the module docstring). `artifacts` (region key -> `RegionArtifact`):
-    the compiled-artifact cache, loaded from and filled. `donated`: indices of inputs nothing reads after this stage
-    (AOTAutograd's `bw_donated_idxs`), marked by `mark_donated_inputs`. `on_fallback(message)`: told when a region's
-    wrong first result moves it to the next executor. `autotune(seconds)`, when given, races regions more than one of
-    `executors` takes (autotune.py), told what measuring took once a choice is in `artifacts`. `partitioned`: `trace`'s
-    module is an execution trace's before its regions were built (`unbuilt`: a warm start); this was its assignment."""
+    """Assigns, partitions and compiles `trace`. `artifacts` (region key -> `RegionArtifact`): the artifact cache,
+    loaded from and filled. `donated`: indices of inputs nothing reads after this stage (`bw_donated_idxs`).
+    `on_fallback(message)`: told when a wrong first result moves a region to the next executor. `autotune(seconds)`:
+    races regions several `executors` take (autotune.py), told what measuring took. `partitioned`: `trace` is an
+    execution trace's module before its regions were built (`unbuilt`: a warm start), this its assignment."""
     gm = trace.editable() if partitioned is None else trace.module
     steps: list[Step] = []
 
@@ -150,9 +149,8 @@ class _RegionBuilder:
         return regions
 
     def _finish_all(self) -> None:
-        """Waits for what the compiles left running (Inductor's kernels, built while the next regions compiled),
-        then stores each region (a race's choice once made). A candidate whose wait fails leaves its race; a region
-        left with none goes, loudly, to the next executor claiming it, as a wrong result does."""
+        """Waits for work compiles left running (Inductor's kernels), then stores each region (a race once it chose).
+        A candidate failing its wait leaves its race; a region left with none goes, loudly, to the next executor."""
         for fn, source, region, structure, key, failed in self.unfinished:
             start, race, problems = time.perf_counter() - region.compile_seconds, fn if isinstance(fn, Race) else None, []
             for name, candidate in list(race.candidates.items()) if race else [(region.executor, fn)]:
@@ -384,9 +382,8 @@ def gemm_flops(node: fx.Node, executors: Sequence[Executor] = ()) -> tuple[int, 
 
 
 def unbuilt(executed: fx.GraphModule) -> fx.GraphModule:
-    """An execution trace's module as dispatch made it before building its regions, for
-    `dispatch(..., partitioned=...)`: a copy of its graph, each region submodule the region's graph
-    (of the first of identical regions, `Region.compiled_as`: they share it), its constants kept."""
+    """An execution trace's module before its regions were built, for `dispatch(..., partitioned=...)`: a copy of its
+    graph, each region submodule its region's graph (identical regions share the first's), its constants kept."""
     root, sources = {}, {}  # what the graph's call_module and get_attr nodes name
     for node in executed.graph.nodes:
         if node.op == "call_module":

@@ -1,6 +1,5 @@
-"""Cache keys of regions, hashes of what a region's compiled code depends on: `structure_key` finds identical regions
-(the same layer one level down, compiled once) and binds a cached artifact to its region graph; `region_key` is the
-artifact cache's key."""
+"""Region cache keys, hashes of what a region's compiled code depends on: `structure_key` finds identical regions (one
+layer down, compiled once) and binds a cached artifact to its graph; `region_key` keys the artifact cache."""
 
 import hashlib
 import operator
@@ -13,10 +12,9 @@ from ir import node_value
 
 
 def structure_key(source: fx.GraphModule) -> str:
-    """A hash of what a region's compiled code depends on, whatever its nodes are named: each node's op, target and
-    arguments by position, the metadata of every value (shapes, strides, dtypes, donation), and constants by their
-    bytes. The 16 layers of a Llama give 16 regions per kind with one hash: the first is compiled, the others run its
-    code (Inductor would otherwise look each one up in its cache and load it again, ~50 ms apiece)."""
+    """A hash of what a region's compiled code depends on, node names aside: each node's op, target and arguments by
+    position, values' metadata (shapes, strides, dtypes, donation), constants' bytes. A Llama's 16 layers make one hash
+    per kind: the first region compiles, the others run its code (else each loads from Inductor's cache, ~50 ms)."""
     index: dict[fx.Node, str] = {}
     parts = []
     for node in source.graph.nodes:

@@ -1,7 +1,6 @@
-"""Every region receives the shape symbols its code names, not only the values its ops take as
-arguments (what `fuse_by_partitions` gives it): a backward region padding by a saved `s48 - 10` to a
-size `s48` needs `s48` itself, which only an input that is that plain symbol binds (`ir.symbols`);
-without it Inductor's code failed with `NameError: name 's48' is not defined`."""
+"""Every region receives the shape symbols its code names, not only the values its ops take as arguments (what
+`fuse_by_partitions` gives it): a backward region padding by a saved `s48 - 10` to a size `s48` needs `s48` itself,
+which only an input that is that plain symbol binds (`ir.symbols`); else Inductor's code raised `NameError`."""
 
 import torch
 import torch.fx as fx

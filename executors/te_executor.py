@@ -289,9 +289,8 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return True
 
     def _allocate_state(self, device: torch.device) -> None:
-        """What the TE ops keep across calls (cuBLAS workspace, quantizers' scales, delayed-scaling
-        history) is allocated now, at compile time: allocated during a first call, it would land in
-        the memory pool of a CUDA graph's warm-up (`cuda_graphs=True`), which must hold only that call's tensors."""
+        """What the TE ops keep across calls (cuBLAS workspace, quantizers' scales, delayed-scaling history), allocated
+        now: in a first call it would land in a CUDA graph warm-up's memory pool (`cuda_graphs=True`)."""
         self.state_device = str(device)
         if device.type != "cuda" or self.unavailable_reason() is not None:
             return

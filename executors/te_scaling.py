@@ -154,8 +154,7 @@ class DelayedScalingState:
             except ImportError:
                 tex = None
             if tex is None or not all(h.is_cuda for h, _ in stack.chunks):
-                # no TE, or a state off the GPU (CPU tests; TE's kernel would read host memory as
-                # device memory): the same arithmetic in torch ops
+                # no TE, or state off the GPU (CPU tests; TE's kernel would misread host memory): the same in torch
                 for history, scale in stack.chunks:
                     _update_reference(history, scale, self.recipe, _FP8_MAX[stack.fmt])
                 continue

@@ -1,5 +1,4 @@
-"""The IR: immutable functional traces over `torch.fx`, their printing, interpreter and verifier; it
-imports no other package of this project."""
+"""The IR: immutable functional traces over `torch.fx`, printer, interpreter, verifier; it imports no other package."""
 from .trace import (InputKind, InputSpec, OutputKind, OutputSpec, Stage, Step, Trace, describe_value,
                     fake_like, is_random, node_value, output_ancestors)
 from .printer import python_callable, python_globals, python_source

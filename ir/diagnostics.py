@@ -1,6 +1,5 @@
-"""The project's warning categories and logger (`PIPELINE_LOG=info`: README), in the lowest layer so
-every package can use them. Warnings are for what a user must know (something runs slower or
-differently than asked); the logger is for following what the compiler is doing."""
+"""The warning categories and logger (`PIPELINE_LOG=info`: README), in the lowest layer, for every package. Warnings say
+what a user must know (something runs slower or otherwise than asked); the logger follows what the compiler does."""
 
 import logging
 import os

@@ -1,6 +1,5 @@
-"""Prints a `Trace` as readable, runnable Python, Thunder style: one op per line, the shape and dtype
-of what it makes as a comment, inputs and outputs described in the header. `python_callable(trace)`
-executes that text, so what is printed is exactly what can be run."""
+"""Prints a `Trace` as readable, runnable Python, Thunder style: one op per line, its value's shape and dtype as a
+comment, inputs and outputs in the header. `python_callable(trace)` executes that text: what is printed is what runs."""
 
 import builtins
 import math
@@ -85,14 +84,11 @@ def _readable_name(spec) -> str | None:
 
 def _tags(node: fx.Node) -> str:
     """The tags passes communicate through (executor, recompute, donated), as the node's comment shows them."""
-    tags = []
-    if node.meta.get("executor"):
-        tags.append(f"executor={node.meta['executor']}")
-    if (policy := node.meta.get("recompute")) is not None:
-        tags.append(f"recompute={getattr(policy, 'name', policy)}")
-    if node.meta.get("donated"):
-        tags.append("donated")
-    return f"  [{', '.join(tags)}]" if tags else ""
+    policy = node.meta.get("recompute")
+    tags = [f"executor={node.meta['executor']}" if node.meta.get("executor") else "",
+            "" if policy is None else f"recompute={getattr(policy, 'name', policy)}",
+            "donated" if node.meta.get("donated") else ""]
+    return f"  [{', '.join(t for t in tags if t)}]" if any(tags) else ""
 
 
 def _identifier(name: str) -> str:

@@ -1,6 +1,5 @@
-"""Graph rewrites as tables of (pattern, replace, guard) rules, read by one small matcher (tinygrad's
-pattern tables; docs/passes.md, "A rewrite as a pattern list"). Not `torch.fx.subgraph_rewriter`: its
-patterns are traced functions, one per spelling, and Dynamo's graphs spell one op many ways."""
+"""Graph rewrites as tables of (pattern, replace, guard) rules for a small matcher (as tinygrad's; docs/passes.md). Not
+`torch.fx.subgraph_rewriter`: its patterns are traced, one per spelling, and Dynamo spells one op many ways."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -12,9 +11,8 @@ from .trace import node_value
 
 
 class Call:
-    """A call to one of `targets` whose arguments, named by `params` in signature order (a last `"*rest"`
-    takes the remaining positional ones; the first may come as `self=`), match `args`; `bind` names the
-    call's own node (docs/passes.md, "A rewrite as a pattern list")."""
+    """A call to one of `targets` whose arguments, named by `params` in signature order (a last `"*rest"` takes the
+    rest; the first may be `self=`), match `args`; `bind` names the call's node (docs/passes.md)."""
 
     def __init__(self, targets, params: tuple[str, ...], bind: Optional[str] = None, **args):
         targets = targets if isinstance(targets, tuple) else (targets,)

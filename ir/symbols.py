@@ -1,7 +1,6 @@
-"""Shape symbols a graph refers to, and whether its inputs bind them. Code computing `2*(s48//2)` needs `s48` itself,
-and compilers bind a symbol only from an input that *is* it: a tensor input's size or stride equal to the plain symbol,
-or a SymInt input equal to it (a SymInt input `s48 - 10` binds nothing); unbacked symbols (`u0`) by the op making them.
-`check_symbols_bound` makes a symbol bound neither way an error at build time, not a `NameError` at run time."""
+"""Shape symbols a graph names, and whether its inputs bind them. Code computing `2*(s48//2)` needs `s48`, bound by
+compilers only from an input that *is* it (a size, stride or SymInt, not `s48-10`) or, unbacked (`u0`), by the op making
+it. `check_symbols_bound` fails an unbound one at build time, not with a run-time `NameError`."""
 
 import dataclasses
 from typing import Any, Iterator

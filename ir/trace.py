@@ -1,6 +1,5 @@
-"""`Trace`: an immutable, functional program over an `fx.Graph`, with input/output specs, level and
-provenance (docs/design.md). Passes never edit a trace: they change `trace.editable()`, a private
-copy of its graph module, and wrap the result with `trace.derive(gm, by="my_pass")`."""
+"""`Trace`: an immutable functional program over an `fx.Graph`, with input/output specs, level and provenance
+(docs/design.md). Passes never edit one: they edit `trace.editable()`, a copy, and return `trace.derive(gm, by=...)`."""
 
 import dataclasses
 import enum

@@ -10,18 +10,16 @@ import torch.fx as fx
 from .trace import Trace, node_value
 from .verify import TraceError
 
-# nodes that change global state the nodes after them run under (autocast, grad mode): always run,
-# so a re-derived node sees the state it will run in
+# nodes changing global state later nodes run under (autocast, grad mode): always run, so re-derived ones see it
 _STATEFUL = {torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast,
              torch._C._set_grad_enabled}
 
 
 def check_types(trace: Trace, *, before: Optional[Trace] = None, pass_name: str = "",
                 output_dtypes_may_change: bool = False) -> None:
-    """Raises `TraceError` naming the node, its neighbours and what differs when a node's metadata is
-    not what its op computes; with `before` (the trace a pass was given), only nodes new or changed
-    since `before` are re-derived, and the outputs must keep `before`'s count, shapes and dtypes
-    (dtypes unless `output_dtypes_may_change`, for passes such as mixed precision)."""
+    """Raises `TraceError` naming the node, its neighbours and what differs when a node's metadata is not what its op
+    computes. With `before` (the trace a pass was given) only nodes new or changed since are re-derived, and the outputs
+    must keep `before`'s count, shapes and dtypes (unless `output_dtypes_may_change`: mixed precision)."""
     who = f"pass {pass_name!r}" if pass_name else f"trace {trace.name!r}"
     if before is not None:
         _check_outputs(before, trace, who, output_dtypes_may_change)
@@ -121,9 +119,8 @@ def refresh_values(changed: list[fx.Node]) -> None:
 
 
 def _derivable(node: fx.Node, claimed) -> bool:
-    """Ops re-run on fake values: not higher-order ops (their bodies are submodules), in-place
-    ops (running one again would change the fake input it shares with another node), calls of
-    submodules, or values with data-dependent sizes (each run makes new symbols)."""
+    """Ops re-run on fake values: not higher-order ops (bodies are submodules), in-place ops (a rerun would change the
+    fake input shared with another node), submodule calls, or data-dependent sizes (each run makes new symbols)."""
     target, op = node.target, node.op
     if (op not in ("call_function", "call_method") or isinstance(target, torch._ops.HigherOrderOperator)
             or (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable)

@@ -1,6 +1,5 @@
-"""The on-disk cache of compiled artifacts, one entry per captured graph (docs/cache.md: what the key
-hashes, what an entry holds, and the trust model). A hit captures, then loads instead of lowering
-(`warm_start`) or compiling; only entries this user wrote and sealed are read (`cache_files`)."""
+"""The on-disk cache of compiled artifacts, an entry per captured graph (key, contents, trust model: docs/cache.md). A
+hit captures, then loads instead of lowering (`warm_start`) or compiling; only entries this user sealed are read."""
 
 import atexit
 import functools
@@ -252,9 +251,8 @@ atexit.register(save_changed)
 
 
 class GraphCache:
-    """The cache entry of one captured graph while the pipeline compiles it: region artifacts for dispatch to load
-    and fill, and what each stage made. Status goes to the graph's record: `record.cache` is "hit" (every region
-    loaded), "miss", or "off: <why>"; the cache's own work is timed in `record.seconds["cache"]`."""
+    """One captured graph's entry while it compiles: region artifacts for dispatch to load and fill, what each stage
+    made. `record.cache` says "hit" (every region loaded), "miss" or "off: <why>"; time: `record.seconds["cache"]`."""
 
     def __init__(self, key: str, record, stored: Optional[dict]):
         self.key, self.record, self.stored, self.root = key, record, stored, cache_root()

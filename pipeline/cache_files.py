@@ -1,6 +1,5 @@
-"""The cache's files, trusted only when this user wrote them (as ssh trusts `~/.ssh`): ownership and
-mode checks, entries read without following links, payloads sealed with a per-user HMAC key. What is
-checked and why: docs/cache.md, "Who can write what" and "What is checked before anything runs"."""
+"""The cache's files, trusted only when this user wrote them (as ssh trusts `~/.ssh`): ownership and mode checks,
+entries read without following links, payloads sealed with a per-user HMAC key (what and why: docs/cache.md)."""
 
 import contextlib
 import hashlib

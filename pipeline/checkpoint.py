@@ -1,7 +1,6 @@
-"""`pipeline.save` / `pipeline.load`: a jitted model's (and its optimizer's) state through safetensors
-(what loads where, and the rank files under `fsdp`: docs/passes.md, "Checkpoints"). Keys: the model's
-under `model.<key>`, the optimizer's tensors under `optimizer.state.<index>.<name>`, its
-hyperparameters as JSON in the metadata, and the rows each rank file holds in its `rows` metadata."""
+"""`pipeline.save` / `pipeline.load`: a jitted model's (and its optimizer's) state in safetensors (what loads where, and
+the rank files under `fsdp`: docs/passes.md, "Checkpoints"). Keys: `model.<key>`, the optimizer's tensors under
+`optimizer.state.<index>.<name>`, its hyperparameters as JSON in the metadata, each rank file's rows in `rows`."""
 
 import contextlib
 import glob
@@ -93,9 +92,7 @@ class Checkpoint(contextlib.ExitStack):
             raise ValueError(f"{path} mixes files saved by {sorted(worlds)} ranks; keep one save per folder")
         if len(self.files) != (world := worlds.pop()):  # a save still being written, or a file lost
             raise ValueError(f"{path} holds {len(self.files)} of the {world} rank files its save wrote")
-        self.metadata: dict = {}
-        self.whole: dict = {}   # key -> open file
-        self.parts: dict = {}   # key -> [(start, stop, open file)]
+        self.metadata, self.whole, self.parts = {}, {}, {}  # whole: key -> file; parts: key -> [(start, stop, file)]
 
     def __enter__(self):
         from safetensors import safe_open

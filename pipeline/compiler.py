@@ -56,8 +56,7 @@ class PassError(RuntimeError):
 
 
 _gc_frozen = [False]  # by `old_objects_frozen`: a nested block then skips `get_freeze_count`'s O(heap) walk
-# Python 3.12 parks its immortal objects (~400) among the frozen at each full collection; a program's gc.freeze() has
-# frozen its whole heap (thousands at least): only that is the program's own freeze.
+# Python 3.12 parks its ~400 immortal objects among the frozen at each full GC; a program's gc.freeze() froze thousands
 PYTHONS_OWN_FROZEN = 2000
 
 
@@ -275,9 +274,8 @@ class PipelineBackend:
         record.add_trace(timed_verify(record, trace))
         log.info("%s %s: lowered to %d ATen ops", record.graph_id, stage, len(trace.ops()))
         lowered = trace.fingerprint() if cache is not None else ""
-        # Saved activations nothing reads after the backward (AOTAutograd's donated buffers, by
-        # position in this graph): the region reading one last may reuse its memory, as Inductor does
-        # inside torch.compile. Kept by name across the passes, which may add or reorder inputs.
+        # Saved activations nothing reads after the backward (AOTAutograd's donated buffers): the region reading one
+        # last may reuse its memory, as in torch.compile; kept by name, as the passes may add or reorder inputs.
         positions = set(getattr(meta, "bw_donated_idxs", None) or []) if stage == "backward" else set()
         donated_names = {n.name for i, n in enumerate(trace.placeholders()) if i in positions}
         trace = self._run_passes("after_autodiff", trace, record)

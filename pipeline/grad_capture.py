@@ -1,7 +1,6 @@
-"""Capture for models that differentiate inside forward (`torch.autograd.grad(..., create_graph=True)`):
-traced with `make_fx` through the inner gradient (docs/design.md, "Stages"). The engine hands saved
-activations to backward formulas through `aten.detach`, which would cut the forces' dependence on the
-parameters: those detaches are removed; detaches the user wrote are marked while tracing and kept."""
+"""Capture for models that differentiate inside forward (`torch.autograd.grad(..., create_graph=True)`): traced with
+`make_fx` through the inner gradient (docs/design.md, "Stages"). The engine's `aten.detach` of saved activations
+would cut the forces' dependence on the parameters: those are removed; detaches the user wrote are marked and kept."""
 
 import dataclasses
 import types
@@ -91,9 +90,8 @@ def _module_state(m: torch.nn.Module) -> tuple:
 
 
 class GradCapture:
-    """Callable that compiles and runs a model through `trace_through_grad`, one compilation per input signature
-    (shapes, dtypes, requires_grad, the global modes `cache.global_modes` names, each submodule's train/eval and
-    hooks)."""
+    """Compiles and runs a model through `trace_through_grad`, one compilation per input signature (shapes, dtypes,
+    requires_grad, the global modes `cache.global_modes` names, each submodule's train/eval and hooks)."""
 
     def __init__(self, model_or_fn, state):
         self.target, self.state = model_or_fn, state

@@ -41,10 +41,7 @@ class RegionTable(list):
         return sum(r.fp8_gemm_flops for r in self) / total if total else None
 
     def by_executor(self) -> dict[str, int]:
-        counts: dict[str, int] = defaultdict(int)
-        for r in self:
-            counts[r.executor] += r.op_count
-        return dict(counts)
+        return {e: sum(r.op_count for r in self if r.executor == e) for e in dict.fromkeys(r.executor for r in self)}
 
 
 def regions(cm) -> RegionTable:
@@ -158,10 +155,8 @@ def explain(fn_or_module: Callable, *args, **kwargs) -> Explanation:
     if not callable(fn_or_module):
         raise TypeError(f"explain needs a module or function, got {type(fn_or_module).__name__}")
     out = torch._dynamo.explain(fn_or_module)(*args, **kwargs)
-    breaks = []
-    for b in out.break_reasons:
-        where = f"{b.user_stack[-1].filename}:{b.user_stack[-1].lineno}" if b.user_stack else "unknown"
-        breaks.append(GraphBreak(reason=b.reason.splitlines()[0], where=where))
+    breaks = [GraphBreak(reason=b.reason.splitlines()[0], where=f"{b.user_stack[-1].filename}:{b.user_stack[-1].lineno}"
+                         if b.user_stack else "unknown") for b in out.break_reasons]
     return Explanation(graphs=out.graph_count, graph_breaks=breaks,
                        ops_per_graph=[sum(n.op.startswith("call_") for n in g.graph.nodes) for g in out.graphs])
 

@@ -82,10 +82,9 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     fullgraph: raise `GraphBreakError` instead of splitting the graph at a graph break.
     dynamic: as in `torch.compile` (None: Dynamo's automatic dynamic shapes).
     cache: look up and store compiled artifacts on disk (`PIPELINE_CACHE_DIR`; `PIPELINE_CACHE=0`: off everywhere).
-    cuda_graphs: record each compiled stage (forward, backward) as one CUDA graph and replay it
-        (pipeline/cuda_graphs.py). As with torch.compile's mode="reduce-overhead", the next step
-        overwrites a step's outputs: keep a value across steps with `.item()` or `.clone()`. Each
-        input shape compiles and records its own graphs (`dynamic` defaults to False).
+    cuda_graphs: record each compiled stage (forward, backward) as one CUDA graph and replay it (cuda_graphs.py). As
+        with torch.compile's mode="reduce-overhead", the next step overwrites a step's outputs: keep a value across
+        steps with `.item()` or `.clone()`. Each input shape records its own graphs (`dynamic` defaults to False).
     fallback: "warn" (default) or "raise": what a fallback (pipeline/fallbacks.py) does.
     autotune: a region more than one listed executor can take whole runs on the fastest, timed at its
         first call (executors/autotune.py); the times are in the region table.

@@ -30,10 +30,9 @@ class Replaced:
 
 def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
           device: torch.device | None = None) -> dict[str, Replaced]:
-    """Replaces the parameters the transforms claim (several as a chain, `transforms.chain`) by light stand-ins of the
-    same shape, dtype and device, so the original module still captures; returns what replaced them. Everything is
-    checked before any parameter changes, so an error leaves the model as it was. `reader` (an open safetensors file)
-    supplies the values, read slice by slice (`encode_slices`) and cast to the parameter's dtype (with a warning)."""
+    """Replaces the parameters the transforms claim (chained where several do) by stand-ins of their shape, dtype and
+    device, so the module still captures; returns the replacements. Checked first: an error changes nothing. `reader`
+    (open safetensors) supplies the values by slices (`encode_slices`), cast to the parameter's dtype (warned)."""
     claimed = _claimed(model, transforms)
     if reader is not None:
         keys = set(reader.keys())

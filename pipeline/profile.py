@@ -1,6 +1,5 @@
-"""`pipeline.profile(cm, *args)`: time spent in each region, from the torch profiler: each compiled
-region runs inside a named range (`region3:inductor`), so its time also shows in a `chrome_trace`
-timeline. A region's time is its kernels' device time when it ran on the GPU, else its host time."""
+"""`pipeline.profile(cm, *args)`: each region's time from the torch profiler (its kernels' device time on a GPU, else
+host time); each region runs in a named range (`region3:inductor`), also in a `chrome_trace` timeline."""
 
 import dataclasses
 from typing import Optional

@@ -1,6 +1,5 @@
-"""Runtime wrappers (docs/design.md, "Stages"), a chain as AOTAutograd's `CompilerWrapper`s are: `pre_compile`
-changes what is compiled (first to last), `post_compile` wraps the compiled callable (the first outermost), and
-`metadata()` is what a cache entry stores of it: a warm start whose wrappers' metadata differs is a miss."""
+"""Runtime wrappers, chained as AOTAutograd's `CompilerWrapper`s (docs/design.md): `pre_compile` edits what compiles
+(first to last), `post_compile` wraps the callable (the first outermost), `metadata()` must match a cache entry's."""
 
 from typing import Callable, Optional
 

@@ -1,6 +1,5 @@
-"""A warm start without lowering: AOTAutograd's own cache entry (`bundled_autograd_cache`), kept in
-our cache and sealed with the rest of the graph's entry (docs/cache.md, "A hit starts warm").
-`record_entry` takes the entry on a cold compile; `load_entry` rebuilds the compiled function on a hit."""
+"""A warm start without lowering: AOTAutograd's own cache entry (`bundled_autograd_cache`) sealed in ours
+(docs/cache.md, "A hit starts warm"); `record_entry` takes it on a cold compile, `load_entry` loads it on a hit."""
 
 import contextlib
 import contextvars

@@ -1,6 +1,5 @@
-"""`causal_attention()`: attention handed an explicit causal mask runs with `is_causal=True` instead: a
-mask that depends on no input is computed at compile time and, where it is SDPA's causal mask, dropped
-(why, and which masks are left alone: docs/passes.md, "Built in: the default passes")."""
+"""`causal_attention()`: SDPA given an explicit causal mask runs with `is_causal=True` instead: a mask depending on no
+input is computed at compile time and, if causal, dropped (why, which masks stay: docs/passes.md)."""
 
 from typing import Optional
 

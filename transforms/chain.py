@@ -1,6 +1,5 @@
-"""`chain(a, b, ...)`: model transforms applied one after another, itself a model transform (docs/passes.md,
-"Chains"). Two transforms compose when the later one can encode every tensor the earlier one produces and
-keeps no state of its own in the state dict (its extra state would describe intermediate tensors)."""
+"""`chain(a, b, ...)`: model transforms applied in turn, as one (docs/passes.md). Two compose when the later can encode
+each tensor the earlier makes and keeps no `extra` state (it would describe intermediate tensors)."""
 
 import functools
 from typing import Optional
@@ -82,8 +81,7 @@ class Chain(ModelTransform):
 
 
 def for_parameter(transforms: list[ModelTransform], module, qualname: str, param) -> Optional[ModelTransform]:
-    """The chain of those `transforms` (chains among them flattened) that apply to parameter
-    `qualname`, checked to compose; None if none applies."""
+    """The `transforms` (chains flattened) applying to parameter `qualname`, chained, checked to compose; or None."""
     if not (parts := [p for t in transforms for p in t.parts() if p.applies_to(module, qualname, param)]):
         return None
     transform = parts[0]

@@ -1,6 +1,5 @@
-"""`checkpoint(policy)`: activation checkpointing as the `node.meta["recompute"]` tags AOTAutograd's
-min-cut partitioner honours (those of `torch.utils.checkpoint`'s selective policies), set on the joint
-graph's forward ops. The policies: docs/passes.md, "Training passes"."""
+"""`checkpoint(policy)`: activation checkpointing as `node.meta["recompute"]` tags (`torch.utils.checkpoint`'s selective
+policies') on the joint graph's forward ops, which AOTAutograd's min-cut partitioner honours (docs/passes.md)."""
 
 import operator
 from typing import Callable, Union

@@ -1,6 +1,5 @@
-"""`cpu_offload()`: saved activations wait for the backward in CPU memory (docs/passes.md). The
-forward and backward traces list the saved values in the same order, so both sides pick the same ones
-by the same rule; both copies are ordinary `aten._to_copy` ops in the traces."""
+"""`cpu_offload()`: saved activations wait for the backward in CPU memory (docs/passes.md). Forward and backward traces
+list the saved values in one order, so one rule picks the same ones on both sides; both copies are `aten._to_copy`."""
 
 import torch
 import torch.fx as fx

@@ -36,8 +36,7 @@ class FSDP(ModelTransform):
 
     def rows(self, original) -> tuple[int, int]:
         """The rows [start, stop) of the original parameter this rank holds."""
-        n = original.shape[0]
-        per = math.ceil(n / self.world)
+        n, per = original.shape[0], math.ceil(original.shape[0] / self.world)
         return min(self.rank * per, n), min((self.rank + 1) * per, n)
 
     def row_shard(self, original):
@@ -66,8 +65,7 @@ class FSDP(ModelTransform):
 
     def rebuild(self, graph: fx.Graph, inputs, original):
         import torch.distributed._functional_collectives as fcol
-        shard = inputs["shard"]
-        fake_shard = node_value(shard)
+        shard, fake_shard = inputs["shard"], node_value(inputs["shard"])
         trained = fake_shard.requires_grad  # frozen tensors (e.g. quantized weights) need no gradient path
         gather = ((getattr(fcol, "all_gather_single_autograd", None) or fcol.all_gather_tensor_autograd)
                   if trained else fcol.all_gather_tensor)

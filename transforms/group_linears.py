@@ -1,7 +1,6 @@
-"""`group_linears()`: linears that read the same input (q/k/v, gate/up) become one linear on their stacked weights,
-the output split along its last dim (when it pays: docs/passes.md). The stacked weights are tagged `recompute`, so the
-backward concatenates them again rather than keep a copy of each (0.9 GiB on the 1B Llama in bf16). A piece
-`.view()`ed in a way a strided slice cannot be is copied first."""
+"""`group_linears()`: linears reading one input (q/k/v, gate/up) become one linear on their stacked weights, its output
+split along the last dim (when it pays: docs/passes.md). The stacked weights are tagged `recompute`: the backward
+concatenates them again, no copy kept (0.9 GiB, 1B Llama, bf16). A piece `.view()`ed as no slice can be is copied."""
 
 import contextlib
 import operator

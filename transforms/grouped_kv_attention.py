@@ -1,6 +1,5 @@
-"""`grouped_kv_attention()`: attention reads grouped keys/values directly (`enable_gqa=True`) instead of
-copies repeated to every query head, where it can only win (`_can_win`: half precision on the devices
-given; why, and what it gains: docs/passes.md, "Built in: the default passes")."""
+"""`grouped_kv_attention()`: attention reads grouped keys/values (`enable_gqa=True`), not copies repeated to every query
+head, where it can only win (`_can_win`: half precision on the given devices; why, what it gains: docs/passes.md)."""
 
 from typing import Optional, Sequence
 

@@ -1,6 +1,5 @@
-"""`materialize(checkpoint=None)`: a model built on the `meta` device gets real storage at jit time, from
-its modules' own `reset_parameters()` or a safetensors checkpoint read tensor by tensor (docs/passes.md).
-With a checkpoint the file's values are loaded even into tensors not on `meta`."""
+"""`materialize(checkpoint=None)`: a `meta`-device model gets real storage at jit time (docs/passes.md), from its
+modules' `reset_parameters()` or a safetensors checkpoint read tensor by tensor (into every tensor, `meta` or not)."""
 
 import warnings
 from typing import Optional

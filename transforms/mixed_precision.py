@@ -1,6 +1,5 @@
-"""`mixed_precision(dtype)`: compute in bf16/fp16 with fp32 master parameters, op by op as `torch.autocast`
-would (docs/passes.md, "Training passes"): the captured program is wrapped in an autocast region, so the
-lowered trace shows every cast and the backward reaches the fp32 parameters through them."""
+"""`mixed_precision(dtype)`: bf16/fp16 compute, fp32 master parameters, as `torch.autocast` would (docs/passes.md): the
+program runs under autocast, so the lowered trace shows each cast, the backward's path to the fp32 parameters."""
 
 import torch
 

@@ -1,6 +1,5 @@
-"""`ModelTransform`: a transform that changes parameters and the graph together (docs/passes.md,
-"Model-changing transforms"). A transform holding only some rows (dim 0) of a parameter on this rank
-(FSDP) says which (`row_shard`), so sharded checkpoints save and load each rank's rows."""
+"""`ModelTransform`: changes parameters and the graph together (docs/passes.md). One holding only some rows (dim 0) of a
+parameter on this rank (FSDP) says which (`row_shard`), so sharded checkpoints save and load each rank's rows."""
 
 from typing import Optional
 
@@ -34,8 +33,7 @@ class ModelTransform:
         raise NotImplementedError
 
     def encode_slices(self, source, original: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`encode` from a safetensors slice `source` (`source[a:b]` reads rows a..b), reading only this
-        rank's rows when it holds a row shard."""
+        """`encode` from a safetensors slice (`source[a:b]`: rows a..b), only this rank's rows under a row shard."""
         rows = self.row_shard(original)
         return self.encode(source[:]) if rows is None else self.from_rows({"": source[rows[0]:rows[1]]}, original)
 
@@ -64,8 +62,7 @@ class ModelTransform:
         return None
 
     def from_rows(self, rows: dict[str, torch.Tensor], original: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The new tensors from this rank's rows of the original value (`rows[""]`) and of the extra
-        state (`rows[suffix]`); see `row_shard`."""
+        """New tensors from this rank's rows (`row_shard`): the original's `rows[""]`, extra state's `rows[suffix]`."""
         raise NotImplementedError(f"{self.name} holds no row shards")
 
     def local_rows(self, tensors: dict[str, torch.Tensor], original: torch.Tensor) -> dict[str, torch.Tensor]:
