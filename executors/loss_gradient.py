@@ -70,10 +70,13 @@ def _row_sum(m: Match) -> None:
 
 
 def _nll(log_probs, target, reduction, ignore_index):
-    """NLL's forward for weight None, its total weight as ATen's: the count of kept targets (0 without reduction)."""
-    kept = target != ignore_index
-    one_hot = torch.arange(log_probs.shape[1], device=target.device) == target.unsqueeze(1)
-    losses = torch.where(kept, -torch.where(one_hot, log_probs, 0.0).sum(1), 0.0)
+    """NLL's forward for weight None, its total weight as ATen's: the count of kept targets (0 without reduction). A
+    target out of range, which ATen's gather refuses, makes its loss NaN: a row sum would pick nothing (0), silently."""
+    kept, classes = target != ignore_index, log_probs.shape[1]
+    one_hot = torch.arange(classes, device=target.device) == target.unsqueeze(1)
+    in_range = torch.logical_and(target >= 0, target < classes)
+    picked = torch.where(in_range, torch.where(one_hot, log_probs, 0.0).sum(1), float("nan"))
+    losses = torch.where(kept, -picked, 0.0)
     if reduction == 0:
         return losses, log_probs.new_zeros(())
     total_weight = kept.sum().to(log_probs.dtype)

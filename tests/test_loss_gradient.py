@@ -63,6 +63,20 @@ def test_every_target_ignored_gives_zero_gradients_as_in_eager(nvfuser_claims_on
     assert torch.count_nonzero(model.head.weight.grad) == 0
 
 
+def test_a_target_out_of_range_makes_the_loss_nan_where_eager_raises(nvfuser_claims_on_cpu):
+    """NLL's forward as a row sum cannot raise on a target out of range without waiting for the GPU; the loss it
+    gives is NaN, never a plausible number (a row sum alone would pick nothing: 0)."""
+    torch.manual_seed(0)
+    model = Loss("mean")
+    x, target = torch.randn(8, 16), torch.randint(0, VOCAB, (8,))
+    target[3] = VOCAB + 7
+    with pytest.raises((IndexError, RuntimeError)):
+        model(x, target)
+    cm = pipeline.jit(model, executors=[nvfuser_claims_on_cpu])
+    assert torch.isnan(cm(x, target))
+    assert aten.nll_loss_forward.default not in _ops(_stage(cm, "_forward"))
+
+
 def test_llama_loss_saves_bf16_logits_and_pads_in_bf16(nvfuser_claims_on_cpu):
     """The shift left as a slice (`shift_labels` off): its backward pads the gradient cast to bf16 first."""
     torch.manual_seed(0)

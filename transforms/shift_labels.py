@@ -45,10 +45,10 @@ def _drops_each_rows_last(m: Match) -> bool:
     if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and all(isinstance(n, int) for n in logits.shape)):
         return False
     b, s, v = logits.shape
+    only_the_loss_reads = all(len(m[k].users) == 1 for k in ("shifted", "copy", "rows") if k in m)
     return (s > 1 and _drops_last_position(m["index"], s) and tuple(rows.shape) == (b * (s - 1), v)
             and isinstance(labels, torch.Tensor) and not labels.is_floating_point()
-            and tuple(labels.shape) == (b * (s - 1),) and all(len(m[k].users) == 1 for k in ("shifted", "copy", "rows")
-                                                              if k in m))
+            and tuple(labels.shape) == (b * (s - 1),) and only_the_loss_reads)
 
 
 def _drops_last_position(index, s: int) -> bool:
@@ -57,9 +57,11 @@ def _drops_last_position(index, s: int) -> bool:
     if items[:1] == (Ellipsis,):
         items = (slice(None),) * (4 - len(items)) + items[1:]
     items = items + (slice(None),) * (3 - len(items))
-    if len(items) != 3 or not all(isinstance(i, slice) for i in items) or slice(None) != items[0] or slice(None) != items[2]:
+    if len(items) != 3 or not all(isinstance(i, slice) for i in items):
         return False
-    return items[1].start in (None, 0) and items[1].stop in (-1, s - 1) and items[1].step in (None, 1)
+    whole, position = slice(None), items[1]
+    return (items[0] == whole == items[2] and position.start in (None, 0) and position.stop in (-1, s - 1)
+            and position.step in (None, 1))
 
 
 def _read_all_rows(m: Match) -> None:
