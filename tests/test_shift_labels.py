@@ -16,7 +16,7 @@ def rewritten(cm) -> bool:
 
 
 def logits_slices(cm) -> list[str]:
-    """The slice ops (or their backward) over a tensor whose last dim is the vocabulary, in every stage."""
+    """The slice ops (or their backward) over a tensor whose last dim is the vocabulary, in forward and backward."""
     found = []
     for trace in pipeline.last_traces(cm):
         if trace.stage.value in ("forward", "backward"):
