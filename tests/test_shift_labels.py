@@ -17,15 +17,8 @@ def rewritten(cm) -> bool:
 
 def logits_slices(cm) -> list[str]:
     """The slice ops (or their backward) over a tensor whose last dim is the vocabulary, in forward and backward."""
-    found = []
-    for trace in pipeline.last_traces(cm):
-        if trace.stage.value in ("forward", "backward"):
-            for node in trace.module.graph.nodes:
-                region = trace.module.get_submodule(node.target) if node.op == "call_module" else None
-                for sub in region.source.graph.nodes if region is not None else ():
-                    if "slice" in str(sub.target) and sub.meta["val"].shape[-1] == V:
-                        found.append(str(sub.target))
-    return found
+    return [str(n.target) for t in pipeline.last_traces(cm) if t.stage.value in ("forward", "backward")
+            for n in t.module.graph.nodes if "slice" in str(n.target) and n.meta["val"].shape[-1] == V]
 
 
 def check(loss_fn, logits, labels, *, applies=True, **jit):
