@@ -53,3 +53,27 @@ def _storage_of(node) -> Optional[object]:
         return StorageWeakRef(value.untyped_storage())
     except Exception:  # a tensor without storage (a subclass, say): not donated
         return None
+
+
+def donated_stage_inputs(executed: fx.GraphModule) -> list[int]:
+    """The stage inputs some region of this execution trace may overwrite (`mark_donated_inputs`)."""
+    inputs = {n: i for i, n in enumerate(n for n in executed.graph.nodes if n.op == "placeholder")}
+    return sorted({inputs[arg] for node in executed.graph.nodes if node.op == "call_module"
+                   for arg, p in zip(node.args, executed.get_submodule(node.target).source.graph.find_nodes(
+                       op="placeholder")) if p.meta.get("donated") and arg in inputs})
+
+
+def keeping_saved_tensors(fn, donated: Sequence[int], recorded: bool):
+    """A backward stage `fn` whose regions overwrite the saved tensors at `donated`, safe to run again: a backward that
+    keeps the graph (`retain_graph=True`) gives them copies. One recorded as a CUDA graph cannot copy: it refuses."""
+    def run(args: list):
+        if torch._C._autograd._get_current_graph_task_keep_graph():
+            if recorded:
+                raise RuntimeError("pipeline: backward(retain_graph=True) of a backward recorded as a CUDA graph that "
+                                   "overwrites its saved activations: jit with cuda_graphs=False, or set "
+                                   "torch._functorch.config.donated_buffer = False before the first call")
+            for i in donated:
+                args[i] = args[i].clone()
+        return fn(args)
+    run._boxed_call = True
+    return run if donated else fn

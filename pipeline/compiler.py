@@ -19,6 +19,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import CompileContext, TracingContext
 
 from executors import dispatch
+from executors.donation import donated_stage_inputs, keeping_saved_tensors
 from ir import OutputKind, OutputSpec, Stage, Step, Trace, TraceError, get_logger, verify
 from ir.typecheck import check_types, structure
 from transforms import TracePass
@@ -282,6 +283,8 @@ class PipelineBackend:
         donated = [i for i, n in enumerate(trace.placeholders()) if n.name in donated_names]
         run, executed, assignment, why_not = self._execute(stage, trace, donated, example_inputs, record=record,
                                                            cache=cache, lowered=lowered)
+        if positions:  # torch refuses a backward that keeps the graph; the stage copies what it overwrites instead
+            meta.bw_donated_idxs = []
         return StageCode(run, stage, executed, lowered, assignment, why_not) if serializable else run
 
     def _execute(self, stage: str, trace: Trace, donated: list, example_inputs, *, record: GraphRecord,
@@ -318,6 +321,8 @@ class PipelineBackend:
             why_not = loaded.why_not if loaded else cuda_graphs.why_not_recordable(
                 trace, example_inputs, self.state.config.executors)
             fn = cuda_graphs.stage_callable(fn, executed, example_inputs, why_not, stage=stage, record=record)
+        if stage == "backward":
+            fn = keeping_saved_tensors(fn, donated_stage_inputs(executed.module), record.cuda_graphs.get(stage) == "on")
         fn = _timing_first_call(fn, record, stage)
         if stage == "backward":  # autograd may call it from a frame Dynamo is capturing (`loss.backward()` in a jitted step)
             fn = torch._dynamo.disable(fn, reason="the pipeline's compiled backward")

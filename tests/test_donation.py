@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pipeline
-from executors.base import Executor
+from executors.base import Executor, RebuiltFromGraph
 from executors.graph_utils import donated_inputs
 from executors.inductor_executor import inductor_executor
 from executors.donation import mark_donated_inputs
@@ -169,3 +169,83 @@ def test_inductor_backward_reuses_saved_activations_and_matches_eager():
     sources = [m.fn.compiled.source_code for _, m in backward.module.named_children()
                if getattr(getattr(m, "fn", None), "compiled", None) is not None]
     assert sources and any(re.search(r"reinterpret_tensor\(donated\d+.*# reuse", s) for s in sources)
+
+
+class Overwrites(RebuiltFromGraph):
+    """A fusion executor that, as a region reusing a donated input's memory would, leaves garbage in it."""
+    name, kind = "overwrites", "fusion"
+
+    def __init__(self):
+        self.overwritten = 0
+
+    def claims_op(self, op, node):
+        return True
+
+    def compile_region(self, gm, example_inputs):
+        donated = donated_inputs(gm)
+
+        def run(*args):
+            out = gm(*args)
+            for i in donated:
+                args[i].fill_(float("nan"))
+                self.overwritten += 1
+            return out
+        return run
+
+
+def _step_twice_keeping_the_graph(cf, x, w):
+    loss = cf(x, w)
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_backward_that_keeps_the_graph_runs_twice_on_intact_saved_tensors(cache):
+    """`backward(retain_graph=True)` then `backward()`: each gets the saved activations as the forward left them, with
+    the cache on (the backward compiled with the forward, donating) or off, and after a step that donated them."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    executor = Overwrites()
+    cf = pipeline.jit(sin_mm_tanh_mm, executors=[executor], cache=cache)
+    if not cache:  # a plain step first: the backward compiles donating, as with the cache on
+        cf(x, w).backward()
+        sin_mm_tanh_mm(x2, w2).backward()
+    _step_twice_keeping_the_graph(cf, x, w)
+    _step_twice_keeping_the_graph(sin_mm_tanh_mm, x2, w2)
+    assert executor.overwritten, "no region overwrote a donated input: the test proves nothing"
+    torch.testing.assert_close((x.grad, w.grad), (x2.grad, w2.grad))
+
+
+def test_a_warm_start_keeps_the_graph_too():
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    pipeline.jit(sin_mm_tanh_mm, executors=[Overwrites()])(x, w).backward()
+    torch._dynamo.reset()
+    warm = pipeline.jit(sin_mm_tanh_mm, executors=[executor := Overwrites()])
+    x.grad = w.grad = None
+    _step_twice_keeping_the_graph(warm, x, w)
+    assert pipeline.compile_stats(warm).cache == {"g0": "hit"} and executor.overwritten
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    _step_twice_keeping_the_graph(sin_mm_tanh_mm, x2, w2)
+    torch.testing.assert_close((x.grad, w.grad), (x2.grad, w2.grad))
+
+
+def test_a_backward_recorded_as_a_cuda_graph_refuses_to_keep_the_graph():
+    """A recorded backward replays its writes into the saved activations: keeping the graph is refused, loudly."""
+    from executors.donation import keeping_saved_tensors
+    stage = keeping_saved_tensors(lambda args: [a * 2 for a in args], [0], recorded=True)
+
+    class Calls(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return stage([grad])[0]
+    x = torch.randn(3, requires_grad=True)
+    Calls.apply(x).sum().backward()  # not kept: runs
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    with pytest.raises(RuntimeError, match="retain_graph=True.*CUDA graph.*cuda_graphs=False"):
+        Calls.apply(x).sum().backward(retain_graph=True)
