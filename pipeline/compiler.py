@@ -260,7 +260,9 @@ class PipelineBackend:
                           provenance=captured.provenance + (Step("lower (joint)"),))
             trace = self._run_passes("joint", record.add_trace(trace), record, first=own)
             joint = trace.module
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        stages = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        _rng_wrappers_typed(stages)
+        return stages
 
     @old_objects_frozen()  # a backward stage compiles lazily, at the first backward: outside __call__
     def _lower_stage(self, stage: str, gm: fx.GraphModule, example_inputs, *, record: GraphRecord,
@@ -417,6 +419,28 @@ def timed_verify(record: GraphRecord, trace: Trace) -> Trace:
     verify(trace)
     record.seconds["verify"] += time.perf_counter() - start
     return trace
+
+
+def _rng_wrappers_typed(stages) -> None:
+    """The partitioner wraps a checkpoint's random ops so that the backward replays their RNG state, and leaves the
+    wrappers without a value and the states with a symbolic size: each gets its value, the states their static size."""
+    rng = torch._prims.rng_prims
+    for node in (n for gm in stages for n in gm.graph.nodes if n.op == "call_function"):
+        if node.target is rng.run_and_save_rng_state:
+            state, out = sorted(node.users, key=lambda u: u.args[1])
+            state.meta["val"] = _static_size(state.meta["val"])
+            node.meta["val"] = (state.meta["val"], out.meta["val"])
+        elif node.target is rng.run_with_rng_state:
+            node.args[0].meta["val"] = _static_size(node.args[0].meta["val"])
+            args, kwargs = fx.map_arg((node.args[2:], node.kwargs), lambda n: n.meta["val"])
+            with node.args[0].meta["val"].fake_mode:
+                node.meta["val"] = node.args[1](*args, **kwargs)
+
+
+def _static_size(state: torch.Tensor) -> torch.Tensor:
+    size = state.shape[0].node.hint if isinstance(state.shape[0], torch.SymInt) else state.shape[0]
+    with state.fake_mode:
+        return torch.empty(size, dtype=state.dtype, device=state.device)
 
 
 def _num_outputs(gm: fx.GraphModule) -> int:

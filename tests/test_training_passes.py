@@ -116,6 +116,39 @@ def test_full_checkpoint_saves_less_than_selective():
     assert saved["full"] < saved["selective"]
 
 
+class CheckpointedDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.3)
+
+    def block(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_user_checkpoint_replays_the_forwards_dropout_masks_in_the_backward():
+    """The partitioner wraps a checkpoint's random ops to save and replay their RNG state; the wrappers compile (they
+    fell back to Dynamo's graph run in eager, whose recompute drew other masks: wrong gradients behind a warning)."""
+    torch.manual_seed(0)
+    model, x = CheckpointedDropout(), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["torch"])
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        cm(x).square().sum().backward()
+        torch.manual_seed(seed)
+        eager(x).square().sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    wrappers = {stage: [n.target.__name__ for n in trace_named(cm, f"g0_{stage}", f"lower ({stage})").module.graph.nodes
+                        if n.op == "call_function" and "rng_state" in str(n.target)] for stage in ("forward", "backward")}
+    assert wrappers == {"forward": ["run_and_save_rng_state"], "backward": ["run_with_rng_state"]}
+    stats = pipeline.compile_stats(cm)
+    assert stats.eager_fallbacks == {} and stats.fallbacks == []
+
+
 def test_checkpoint_rejects_unknown_policy():
     with pytest.raises(ValueError, match="policy must be 'full', 'selective' or a function"):
         checkpoint("most")
