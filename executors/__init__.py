@@ -1,7 +1,5 @@
-"""Executors: the `Executor` protocol, the dispatcher, and the executors themselves.
-
-`from executors import te, nvfuser, inductor, torch` gives executor objects (the modules implementing them are
-named `*_executor`, so importing a submodule never shadows these names)."""
+"""Executors: the `Executor` protocol, the dispatcher, and the executors themselves. `from executors import te, nvfuser,
+inductor, torch` gives executor objects (their modules are named `*_executor`, so a submodule never shadows these)."""
 from .base import Executor, RegionDeclined
 from .torch_executor import torch_executor as torch
 from .inductor_executor import inductor_executor as inductor

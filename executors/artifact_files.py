@@ -11,8 +11,7 @@ _artifact_files_root: list[str] = []  # set by the pipeline's cache once it has 
 
 
 def set_artifact_files_root(path: str | None) -> None:
-    """Where executors keep the files of cached artifacts: a directory only this user can write
-    (the pipeline's cache checks it and calls this), or None while the cache is off."""
+    """Where executors keep cached artifacts' files: a directory only this user can write, or None (cache off)."""
     _artifact_files_root[:] = [path] if path else []
 
 
@@ -71,8 +70,7 @@ class Untrusted(Exception):
 
 
 class Skipped(Exception):
-    """An entry path holding something that is not read (a link, a FIFO, an oversized or
-    unauthentic file); the message says which. The entry is recompiled and replaced."""
+    """An entry path holding what is not read (a link, FIFO, oversized or unauthentic file): recompiled and replaced."""
 
 
 def check_owned(path: str, st: os.stat_result, what: str, private: bool = False) -> None:

@@ -101,8 +101,7 @@ class Executor:
         return self
 
     def before_call(self) -> None:
-        """Runs at the start of each call (e.g. to update fp8 scales from the last amaxes). It costs a
-        Python call per step, so the pipeline skips executors that leave it as `Executor`'s."""
+        """Runs before each call (e.g. new fp8 scales); a Python call per step, so skipped unless overridden."""
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """State this executor keeps for the model, as state-dict entries (`<module>._extra_state.*`)."""

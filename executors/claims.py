@@ -1,5 +1,4 @@
-"""`ClaimTable`: which ops an executor claims, as a table `{op: checker | None}` (JAX's rule tables,
-Thunder's `op -> checker`; docs/executors.md, "Writing an executor")."""
+"""`ClaimTable`: the ops an executor claims, `{op: checker | None}` (docs/executors.md, "Writing an executor")."""
 
 from typing import Callable, Optional
 

@@ -140,8 +140,7 @@ def _storages(value) -> set:
 
 
 def _retarget(node: fx.Node, sub: fx.GraphModule) -> bool:
-    """Where `sub` is a single op (`t` -> `permute`, `_to_copy` -> `convert_element_type`) with the
-    node's output metadata, the node becomes that op in place; False where it is more."""
+    """Where `sub` is one op with the node's metadata (`t` -> `permute`), the node becomes it in place; else False."""
     calls = [n for n in sub.graph.nodes if n.op == "call_function"]
     output = next(n for n in reversed(sub.graph.nodes) if n.op == "output").args[0]
     if len(calls) != 1 or output is not calls[0] or not _same_metadata(node_value(calls[0]), node_value(node)):

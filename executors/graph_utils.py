@@ -9,8 +9,7 @@ from ir import node_value
 
 
 def promised_strides(region: fx.GraphModule) -> list[tuple[int, tuple[int, ...]]]:
-    """(output index, stride) for each output of `region` whose trace promises a static layout (every
-    stride a plain int): what other regions were compiled against."""
+    """(output index, stride) of each output of `region` with a static promised layout: what other regions expect."""
     outs = region.graph.find_nodes(op="output")[0].args[0]
     values = [(i, node_value(n)) for i, n in enumerate(outs) if isinstance(n, fx.Node)]
     return [(i, tuple(v.stride())) for i, v in values
@@ -55,9 +54,8 @@ _CPU_FFT = ("_fft_r2c", "_fft_c2c", "_fft_c2r")
 
 
 def meta_strides_unreliable(node: fx.Node) -> bool:
-    """Whether `node`'s fake (meta) output strides may differ from what its real kernel produces.
-    One known case: the FFT ops on the CPU before torch 2.13 (torch.compile fails on them the same
-    way). Such ops run on `torch`, whose region copies their outputs into the promised layout."""
+    """Whether `node`'s fake (meta) output strides may differ from its real kernel's: the CPU FFT ops before torch 2.13
+    (torch.compile fails on them too). They run on `torch`, whose region copies them into the promised layout."""
     if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
             and node.target.namespace == "aten" and node.target._opname in _CPU_FFT):
         return False
@@ -69,6 +67,5 @@ def meta_strides_unreliable(node: fx.Node) -> bool:
 
 
 def donated_inputs(gm: fx.GraphModule) -> list[int]:
-    """Positions of a region's inputs that nothing reads after it (saved activations in a backward,
-    marked by the dispatcher): an executor may reuse their memory for its own buffers."""
+    """Positions of a region's inputs nothing reads after it (marked in dispatch): executors may reuse their memory."""
     return [i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if n.meta.get("donated")]

@@ -200,11 +200,9 @@ def _kernel_libraries(compiled) -> set[str]:
     """Paths of the shared libraries the compiled graph's C++ kernels were loaded from, and, when there are any,
     of Inductor's vector-ISA probe (built once per cache dir; finding it compiles probe programs, ~30 s)."""
     module = sys.modules.get(getattr(compiled.current_callable, "__module__", None) or "")
-    paths = set()
-    for value in vars(module).values() if module is not None else ():
-        owner = getattr(value, "__self__", None)
-        if isinstance(owner, types.ModuleType) and str(getattr(owner, "__file__", "")).endswith(".so"):
-            paths.add(owner.__file__)
+    owners = [getattr(value, "__self__", None) for value in (vars(module).values() if module is not None else ())]
+    paths = {owner.__file__ for owner in owners
+             if isinstance(owner, types.ModuleType) and str(getattr(owner, "__file__", "")).endswith(".so")}
     return paths | _isa_probe_libraries() if paths else paths
 
 

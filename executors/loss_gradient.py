@@ -2,13 +2,12 @@
 docs/executors.md). Autograd's NLL backward scatters into a zero [tokens, vocab] buffer whose rows log-softmax's
 backward then sums; the sum is that one entry, so the gradient is `scale * (one_hot - exp(log_probs))` with no
 buffer and no reduction, and its cast back to half precision moves before the shift's `slice_backward`. NLL's forward
-(a gather) becomes a row sum of the one-hot entries, so the fusion making the log-probabilities reduces them too and
-the fp32 [tokens, vocab] values are never written."""
+(a gather) becomes a one-hot row sum: the fusion making the fp32 log-probabilities reduces them, never writing them."""
 
 import torch
 
 from ir import Trace
-from ir.rewrite import Call, Match, rewrite
+from ir.rewrite import Call, Match, derive_rewritten, rewrite
 from ir.torch_ops import erase_unread
 
 from .decompose import replace_by_traced
@@ -36,9 +35,7 @@ def pointwise_loss_gradient(trace: Trace) -> Trace:
     if not done:
         return trace
     erase_unread([m["nll"] for m in done if "nll" in m])
-    gm.graph.lint()
-    gm.recompile()
-    return trace.derive(gm, by="pointwise_loss_gradient")
+    return derive_rewritten(trace, gm, "pointwise_loss_gradient")
 
 
 def _plain_nll_on_rows(m: Match) -> bool:
@@ -60,8 +57,7 @@ def _gradient(grad, log_probs, target, total_weight, reduction, ignore_index, dt
 
 
 def _computed_rows(m: Match) -> bool:
-    """NLL over [tokens, classes] computed in the graph (a row sum of a graph input would read all of it, not a gather's
-    one entry a row)."""
+    """NLL over [tokens, classes] computed in the graph (a graph input's row sum would read it all, not one entry)."""
     return m.value("log_probs").dim() == 2 and m["log_probs"].op == "call_function" and m["reduction"] in (0, 1, 2)
 
 

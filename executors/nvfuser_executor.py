@@ -55,8 +55,7 @@ class NvFuserExecutor(RebuiltFromGraph):
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
         if all(computes_nothing(n.target) for n in gm.graph.nodes if n.op == "call_function"):
             raise RegionDeclined("nothing to compute (only views): eager views cost less than a fusion's launch")
-        # Build and run once now on zero-filled inputs, so a missing translation or a kernel nvFuser
-        # cannot compile makes the region fall back to the next executor instead of failing a step.
+        # Build and run once now, on zeros: a region nvFuser cannot translate or compile falls back, not failing a step
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         runner = _FusionRunner(gm)
         with unset_fake_temporarily():
@@ -72,9 +71,8 @@ class _FusionRunner:
     """Runs a region through nvFuser, one FusionDefinition per input signature."""
 
     def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
-        self.fusions: dict[tuple, object] = {}
-        self.promised = promised_strides(gm)
+        self.gm, self.promised = gm, promised_strides(gm)
+        self.fusions: dict[tuple, object] = {}  # input signature (`_key`) -> its FusionDefinition
 
     def __call__(self, *args):
         if (fd := self.fusions.get(key := _key(args))) is None:
@@ -135,8 +133,7 @@ _FUSIONS = []  # one LruFusionCache for the process, made on first use
 
 
 def _shared(fd):
-    """Routes `fd` through nvFuser's LRU cache of compiled fusions, keyed by the fusion's structure:
-    the regions of identical layers then compile once, not once per layer."""
+    """`fd` via nvFuser's LRU cache of compiled fusions, keyed by structure: identical layers' regions compile once."""
     try:
         if not _FUSIONS:
             from nvfuser_direct import LruFusionCache

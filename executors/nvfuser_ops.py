@@ -1,7 +1,6 @@
-"""How the `nvfuser` executor writes a region as a `FusionDefinition` (docs/executors.md, "nvfuser"):
-`OPS` maps an ATen overload to a translation `fn(fd, node, *args, **kwargs) -> Val` and `CLAIMS` holds the
-same ops with their checkers, both filled by `@_op(*overloads, checker=...)`. Every result is cast back
-to the dtype the trace promises (nvFuser computes half types in fp32)."""
+"""How `nvfuser` writes a region as a `FusionDefinition` (docs/executors.md, "nvfuser"): `OPS` maps an ATen overload
+to a translation `fn(fd, node, *args, **kwargs) -> Val`, `CLAIMS` holds the same ops with their checkers, both filled
+by `@_op(*overloads, checker=...)`. Results are cast back to the trace's dtype (nvFuser computes half types in fp32)."""
 
 import math
 import operator
@@ -111,15 +110,10 @@ def _dims(dims, rank):
     return [d % rank if rank else 0 for d in dims]
 
 
-_UNARY = {aten.abs.default: "abs", aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "log",
-          aten.tanh.default: "tanh", aten.sigmoid.default: "sigmoid", aten.rsqrt.default: "rsqrt",
-          aten.sqrt.default: "sqrt", aten.erf.default: "erf", aten.cos.default: "cos", aten.sin.default: "sin",
-          aten.reciprocal.default: "reciprocal", aten.relu.default: "relu", aten.silu.default: "silu",
-          aten.log1p.default: "log1p", aten.expm1.default: "expm1", aten.exp2.default: "exp2",
-          aten.logical_not.default: "logical_not", aten.isnan.default: "isnan", aten.sign.default: "sign",
-          aten.floor.default: "floor", aten.ceil.default: "ceil", aten.round.default: "round"}
-for _overload, _name in _UNARY.items():
-    _op(_overload)(lambda fd, node, x, _n=_name: getattr(fd.ops, _n)(x))
+_UNARY = ("abs", "neg", "exp", "log", "tanh", "sigmoid", "rsqrt", "sqrt", "erf", "cos", "sin", "reciprocal", "relu",
+          "silu", "log1p", "expm1", "exp2", "logical_not", "isnan", "sign", "floor", "ceil", "round")
+for _name in _UNARY:
+    _op(getattr(aten, _name).default)(lambda fd, node, x, _n=_name: getattr(fd.ops, _n)(x))
 
 _BINARY = {aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "truediv", aten.div.Scalar: "truediv",
            aten.maximum.default: "maximum", aten.minimum.default: "minimum", aten.pow.Tensor_Tensor: "pow",

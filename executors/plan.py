@@ -1,5 +1,4 @@
-"""Dispatch (`dispatch`): an ATen trace becomes an execution trace whose ops are compiled regions (one
-`call_module` each, printable and runnable), a `Region` describing each."""
+"""`dispatch`: an ATen trace becomes an execution trace of compiled regions (printable, runnable), a `Region` each."""
 
 import contextlib
 import dataclasses
@@ -94,8 +93,7 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
 
 
 class _RegionBuilder:
-    """Builds each region's `CompiledRegion`: from an identical region built before (its twin), the
-    artifact cache, or its executor (falling back to the next one that claims it)."""
+    """Builds each `CompiledRegion`: from its twin (an identical one built before), the artifact cache, or executors."""
 
     def __init__(self, gm, order, fallback, stage, graph_id, artifacts, on_fallback, listed, autotune):
         self.gm, self.order, self.fallback, self.stage, self.graph_id = gm, order, fallback, stage, graph_id

@@ -33,8 +33,7 @@ def structure_key(source: fx.GraphModule) -> str:
 
 
 def region_key(structure: str, order: Sequence, *modes: str) -> str:
-    """The compiled-artifact cache's key of a region: its `structure_key`, the executors that
-    could compile it (with their options) and how one was chosen (`modes`: "autotune")."""
+    """The artifact-cache key: the region's `structure_key`, each candidate executor's `cache_token`, `modes`."""
     return hashlib.sha256("\n".join([structure, *(e.cache_token() for e in order), *modes]).encode()).hexdigest()
 
 

@@ -135,9 +135,8 @@ class DelayedScalingState:
 
     @staticmethod
     def _record(stack: "_Stack", column: int, t: torch.Tensor) -> None:
-        """The amax of `t` into the newest history row (the max over the call's uses of the column),
-        as a delayed cast records it: measured, since a current-scaling cast of an all-zero tensor
-        reports scale 1, not amax 0. An extra reduction, in the cold call only."""
+        """The amax of `t` into the newest history row (max of the call's uses of the column), as a delayed cast records
+        it: measured (a current-scaling cast of zeros says scale 1, not amax 0): an extra reduction, cold calls only."""
         row = stack.view(column, 1)[0][0]
         torch.maximum(row, t.abs().amax().float().reshape(1), out=row)
         stack.recorded = True

@@ -1,6 +1,4 @@
-"""The `torch` executor: runs a region's ATen ops one by one with eager's own kernels.
-
-It claims every op, so it is also the fallback that runs whatever no listed executor claims."""
+"""The `torch` executor: a region's ATen ops one by one, with eager's kernels; claiming every op, it is the fallback."""
 
 from typing import Sequence
 

@@ -7,7 +7,6 @@ from .verify import TraceError, verify
 from .region import Region
 from .diagnostics import PipelineFallbackWarning, PipelineWarning, get_logger
 
-__all__ = ["Trace", "InputSpec", "InputKind", "OutputSpec", "OutputKind", "Stage", "Step", "Region",
-           "TraceError", "verify", "interpret", "python_source", "python_callable", "python_globals",
-           "describe_value", "fake_like", "node_value", "is_random", "output_ancestors", "PipelineWarning",
-           "PipelineFallbackWarning", "get_logger"]
+__all__ = ["Trace", "InputSpec", "InputKind", "OutputSpec", "OutputKind", "Stage", "Step", "Region", "TraceError",
+           "verify", "interpret", "python_source", "python_callable", "python_globals", "describe_value", "fake_like",
+           "node_value", "is_random", "output_ancestors", "PipelineWarning", "PipelineFallbackWarning", "get_logger"]

@@ -11,9 +11,8 @@ class PipelineWarning(UserWarning):
 
 
 class PipelineFallbackWarning(PipelineWarning):
-    """Part of the model runs in eager PyTorch, or on another executor than the listed one, instead
-    of compiled as asked: a graph the pipeline could not lower, a frame Dynamo gave up on, a region
-    whose executor failed or returned a wrong result. Counted in `compile_stats(cm).fallbacks`."""
+    """Part of the model runs in eager PyTorch or on another executor than the listed one: a graph not lowered, a frame
+    Dynamo gave up on, a region whose executor failed or was wrong. Counted in `compile_stats(cm).fallbacks`."""
 
 
 logger = logging.getLogger("pipeline")

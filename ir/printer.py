@@ -22,8 +22,7 @@ def python_source(trace: Trace) -> str:
              + (" → ".join(s.name for s in trace.provenance) or "-")]
     params = []
     for node, spec in zip(trace.placeholders(), [*trace.inputs, *[None] * len(trace.placeholders())]):
-        name = names.bind(node, _readable_name(spec))
-        params.append(name)
+        params.append(name := names.bind(node, _readable_name(spec)))
         what = "(no input spec)" if spec is None else spec.kind + (f" {spec.qualname!r}" if spec.qualname else "")
         lines.append(f"#   {name}: {describe_value(node_value(node))}  {what}{_tags(node)}".rstrip())
     lines.insert(1, "# inputs:")

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .trace import node_value
+from .trace import Trace, node_value
 
 
 class Call:
@@ -45,8 +45,7 @@ class Either(tuple):
 
 
 class Match(dict):
-    """What a pattern matched at `root`: the names it bound (this dict) and the calls it matched, root
-    first (`nodes`). Always true, even when it binds nothing."""
+    """What a pattern matched at `root`: names it bound (this dict), the calls (`nodes`, root first); always true."""
 
     def __init__(self, root: fx.Node, bound=(), nodes=()):
         super().__init__(bound)
@@ -91,9 +90,8 @@ def find(graph: fx.Graph, pattern: Call | Either, guard: Callable[[Match], bool]
 
 
 def rewrite(graph: fx.Graph, rules: list[tuple[Call | Either, Callable, Callable]]) -> list[Match]:
-    """At each node of `graph`, in order, the first `(pattern, replace, guard)` rule whose pattern
-    matches there and whose `guard(match)` agrees calls `replace(match)` to edit the graph. Returns
-    the matches replaced. Nodes a replacement adds are not visited; dead nodes are the caller's."""
+    """At each node of `graph` in order, the first `(pattern, replace, guard)` rule matching there whose `guard(match)`
+    agrees calls `replace(match)`. Returns the matches replaced; added nodes are not visited, dead ones the caller's."""
     done = []
     for node in list(graph.nodes):
         for pattern, replace, guard in () if node._erased else rules:
@@ -109,3 +107,10 @@ def add_call(graph: fx.Graph, target, args: tuple, value: Any) -> fx.Node:
     node = graph.create_node("call_method" if isinstance(target, str) else "call_function", target, args)
     node.meta["val"] = node.meta["example_value"] = value
     return node
+
+
+def derive_rewritten(trace: Trace, gm: fx.GraphModule, by: str) -> Trace:
+    """`trace.derive(gm, by=by)` for `gm`, the editable copy of `trace` a pass rewrote: linted, its code made again."""
+    gm.graph.lint()
+    gm.recompile()
+    return trace.derive(gm, by=by)

@@ -32,8 +32,7 @@ class UnboundSymbol:
 
 
 def unbound_symbols(gm: fx.GraphModule) -> list[UnboundSymbol]:
-    """The symbols `gm`'s values and arguments refer to that its inputs do not bind, each with the
-    first node referring to it, in graph order; [] for a graph of static shapes."""
+    """The symbols `gm`'s values and arguments use that no input binds, each with its first user, in graph order."""
     nodes = list(gm.graph.nodes)
     if _static(placeholders := [n for n in nodes if n.op == "placeholder"]):
         return []
@@ -71,8 +70,7 @@ def check_symbols_bound(gm: fx.GraphModule, where: str) -> None:
 
 
 def binds(value) -> set:
-    """The symbols an input with this (fake) value binds: its sizes and strides that are plain
-    symbols, or itself if it is a SymInt equal to a plain symbol."""
+    """The plain symbols an input with this (fake) value binds: its sizes and strides, or itself if a SymInt."""
     import sympy
     if isinstance(value, (*_SYMBOLIC, torch.Tensor)):
         return {e for e in _exprs(value, offsets=False) if isinstance(e, sympy.Symbol)}
@@ -105,8 +103,7 @@ def _introduced(node: fx.Node, exprs: list) -> set:
 
 
 def _static(placeholders) -> bool:
-    """Whether the graph's fake values come from a shape env that never made a symbol (then none
-    can be unbound: one look-up instead of a scan). False when that cannot be told."""
+    """Whether fake values' shape env never made a symbol (none unbound: a look-up, not a scan); False if unknown."""
     from torch._guards import detect_fake_mode
     try:
         mode = detect_fake_mode([node_value(p) for p in placeholders])

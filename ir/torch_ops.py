@@ -16,9 +16,8 @@ SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "
 
 
 def writes_into(node: fx.Node) -> bool:
-    """Whether `node` may write into a tensor: an in-place method or function (`mul_`, `copy_`,
-    `x += y` as `operator.iadd`), item assignment, `out=`/`inplace=True`, or an op whose schema
-    mutates an argument. (`operator.and_` and its kind are not in place, though named with `_`.)"""
+    """Whether `node` may write into a tensor: an in-place method or function (`mul_`, `copy_`, `operator.iadd`; not
+    `operator.and_`, though named with `_`), item assignment, `out=`/`inplace=True`, or an op with a mutable schema."""
     target = node.target
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     if node.op not in ("call_method", "call_function"):
@@ -31,8 +30,7 @@ def writes_into(node: fx.Node) -> bool:
 
 
 def erase_unread(nodes) -> None:
-    """Erases each of `nodes` nothing reads (any more), then the inputs that leaves unread, in turn;
-    never a graph input, a call with side effects or one that writes into a tensor."""
+    """Erases `nodes` nothing reads, then inputs so left unread; never graph inputs, impure or writing calls."""
     work = list(nodes)
     while work:
         n = work.pop()

@@ -113,9 +113,8 @@ class Trace:
         return hashlib.sha256(python_source(self).encode()).hexdigest()[:16]
 
     def editable(self) -> fx.GraphModule:
-        """A private copy of the graph module that a pass may change freely: nodes copied with their
-        metadata (fake tensors shared, never mutated), constants and submodules shared. Its Python
-        code is generated when it is first run or printed: a pass changing the graph would make it stale."""
+        """A private copy of the graph module for a pass to edit: nodes copied with metadata (fake tensors shared, never
+        mutated), constants and submodules shared; code made when first run or printed (edits would make it stale)."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.graph, {})).meta = dict(self.output_node().meta)
         return _LazyGraphModule(self._gm, graph, class_name=type(self._gm).__name__)

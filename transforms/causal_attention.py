@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from ir import Trace, node_value
-from ir.rewrite import Call, Match, rewrite
+from ir.rewrite import Call, Match, derive_rewritten, rewrite
 from ir.torch_ops import SDPA, SDPA_PARAMS, erase_unread, writes_into
 
 from .base import TracePass, pass_factory
@@ -49,9 +49,7 @@ def causal_attention_in(trace: Trace) -> Trace:
     if not (done := rewrite(gm.graph, [(MASKED_ATTENTION, _causal_by_flag, is_causal_mask)])):
         return trace
     erase_unread([m["mask"] for m in done])
-    gm.graph.lint()
-    gm.recompile()
-    return trace.derive(gm, by="causal_attention")
+    return derive_rewritten(trace, gm, "causal_attention")
 
 
 def _causal_by_flag(m: Match) -> None:
@@ -127,8 +125,7 @@ def _bytes(value: torch.Tensor):  # the memory behind `value` (an expanded view'
 
 
 def _written(nodes: set[fx.Node]) -> bool:
-    """Whether any call in the graph may write into the tensors of `nodes` or of views of them: any
-    in-place call reading one (conservatively, whichever argument it writes)."""
+    """Whether a call may write into `nodes`' tensors or views: any in-place call reading one (whatever it writes)."""
     aliases, work = set(nodes), list(nodes)
     while work:
         for user in work.pop().users:

@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ir import Trace, fake_like, node_value
-from ir.rewrite import Call, Match, add_call, find, match
+from ir.rewrite import Call, Match, add_call, derive_rewritten, find, match
 from ir.torch_ops import LINEAR, LINEARS
 from ir.typecheck import refresh_values
 
@@ -26,17 +26,14 @@ def group_linears() -> TracePass:
 
 
 def group_linears_in(trace: Trace) -> Trace:
-    """`trace` with every group of 2+ linears on the same input (same weight dtype, all with or all
-    without bias) computed as one linear; `trace` itself if there is none."""
+    """`trace` with groups of 2+ linears on one input (one weight dtype, all or none biased) made one; else itself."""
     gm = trace.editable()
     if not (groups := _groups(gm.graph)):
         return trace
     # a group's arguments are read again when it is joined: an earlier group's outputs may feed it
     pieces = [piece for group in groups for piece in _join(gm.graph, [match(LINEAR, m.root) for m in group])]
     refresh_values(pieces)  # the linears' users now read slices of the stacked output
-    gm.graph.lint()
-    gm.recompile()
-    return trace.derive(gm, by="group_linears")
+    return derive_rewritten(trace, gm, "group_linears")
 
 
 def _stackable(m: Match) -> bool:

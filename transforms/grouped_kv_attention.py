@@ -9,7 +9,7 @@ import torch
 
 from ir import Trace, node_value
 from ir.torch_ops import SDPA, SDPA_PARAMS, erase_unread, writes_into
-from ir.rewrite import Call, Either, Match, rewrite
+from ir.rewrite import Call, Either, Match, derive_rewritten, rewrite
 
 from .base import TracePass, pass_factory
 
@@ -55,9 +55,7 @@ def grouped_kv_attention_in(trace: Trace, devices: Sequence[str] = ("cuda",)) ->
     if not done:
         return trace
     erase_unread(n for m in done for n in m.nodes[1:])
-    gm.graph.lint()
-    gm.recompile()
-    return trace.derive(gm, by="grouped_kv_attention")
+    return derive_rewritten(trace, gm, "grouped_kv_attention")
 
 
 def _read_grouped(m: Match) -> None:

@@ -23,8 +23,7 @@ class Materialize:
     def prepare_module(self, model: torch.nn.Module, skip: frozenset = frozenset()) -> None:
         """Gives every meta tensor of `model` storage and values; `skip`: keys model transforms loaded already."""
         on_meta = [(name, m) for name, m in model.named_modules() if any(t.is_meta for _, t in _own_tensors(m))]
-        # Without a checkpoint every module initialises itself; with one, those whose state the file
-        # cannot hold (non-persistent buffers, such as rotary tables) still must.
+        # Without a checkpoint every module initialises itself; with one, only those whose state it cannot hold
         needs_init = [(name, m) for name, m in on_meta
                       if self.checkpoint is None or getattr(m, "_non_persistent_buffers_set", ())]
         if missing := [name or type(m).__name__ for name, m in needs_init

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ir import Trace, fake_like
-from ir.rewrite import Call, Match, add_call, rewrite
+from ir.rewrite import Call, Match, add_call, derive_rewritten, rewrite
 from ir.torch_ops import erase_unread
 
 from .base import TracePass, pass_factory
@@ -33,9 +33,7 @@ def shift_labels_in(trace: Trace) -> Trace:
     gm = trace.editable()
     if not rewrite(gm.graph, [(NEXT_TOKEN_LOSS, _read_all_rows, _drops_each_rows_last)]):
         return trace
-    gm.graph.lint()
-    gm.recompile()
-    return trace.derive(gm, by="shift_labels")
+    return derive_rewritten(trace, gm, "shift_labels")
 
 
 def _drops_each_rows_last(m: Match) -> bool:
