@@ -25,6 +25,8 @@ from . import cache_files
 
 FORMAT = 2
 MAGIC = b"fxpipeline-cache 2 hmac-sha256\n"
+OWN_PACKAGES = ("torch", "ir.", "executors.", "pipeline.", "transforms.", "builtins", "_operator", "math")
+TORCH_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "c10d", "_dtensor", "pipeline", "pipeline_te"}
 log = get_logger("cache")
 
 
@@ -67,11 +69,32 @@ def graph_key(gm, example_inputs, state) -> str:
 
 
 def graph_code(gm) -> list[str]:
-    """The code of the captured graph and of the bodies of its higher-order ops (checkpoint, cond), which it only names."""
+    """The code of the captured graph, and of what it only names: the bodies of its higher-order ops (checkpoint, cond),
+    the functions and custom ops it calls (`torch._dynamo.allow_in_graph`, `torch.library.custom_op`)."""
     for name, sub in gm.named_modules():
         if not isinstance(sub, torch.fx.GraphModule):
             raise Uncacheable(f"the captured graph holds a {type(sub).__qualname__} ({name}) whose code is not a graph")
-    return [f"graph {name}\n{sub.graph.python_code(root_module='self').src}" for name, sub in gm.named_modules()]
+    called = {n.target for _, sub in gm.named_modules() for n in sub.graph.nodes if n.op == "call_function"}
+    return [f"graph {name}\n{sub.graph.python_code(root_module='self').src}" for name, sub in gm.named_modules()] + \
+        sorted(_callee_identity(t) for t in called)
+
+
+def _callee_identity(target) -> str:
+    from torch._library.custom_ops import OPDEFS
+    if isinstance(target, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
+        qualname = getattr(target, "_qualified_op_name", None) or target._schema.name
+        if qualname.split("::")[0] in TORCH_NAMESPACES:
+            return ""
+        if (opdef := OPDEFS.get(qualname)) is None:
+            raise Uncacheable(f"the graph calls custom op {qualname}, whose kernels' code the key cannot read (define "
+                              f"it with torch.library.custom_op)")
+        kernels = [dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__ or ()))).get("fn", f)
+                   for f in map(inspect.unwrap, opdef._backend_fns.values())]  # torch wraps each kernel registered
+        fns = [opdef._init_fn, opdef._abstract_fn, opdef._setup_context_fn, opdef._backward_fn, *kernels]
+        return f"op {qualname} {stable_repr(fns, qualname)}"
+    if inspect.isfunction(target) and not (target.__module__ or "").startswith(OWN_PACKAGES):
+        return f"calls {function_identity(target, target.__qualname__)}"
+    return ""
 
 
 def global_modes() -> tuple:
@@ -120,13 +143,38 @@ def function_identity(fn, name: str, depth: int = 0) -> str:
         if not inspect.isfunction(call := getattr(type(fn), "__call__", None)):
             raise Uncacheable(f"pass {name!r}: cannot read the source of {fn!r}")
         return f"{function_identity(call, name, depth + 1)} {stable_repr(vars(fn), name, depth + 1)}"
-    try:
-        source = inspect.getsource(target)
-    except (OSError, TypeError) as e:
-        raise Uncacheable(f"pass {name!r}: its source cannot be read ({e})") from None
     cells = [c.cell_contents for c in (target.__closure__ or ()) if _cell_filled(c)]
-    return (f"{target.__module__}.{target.__qualname__} {hashlib.sha256(source.encode()).hexdigest()} "
-            f"{stable_repr(cells, name, depth + 1)} {stable_repr(target.__defaults__, name, depth + 1)}")
+    owner = fn.__self__ if inspect.ismethod(fn) and not inspect.isclass(fn.__self__) else None
+    fields = stable_repr(vars(owner), name, depth + 1) if hasattr(owner, "__dict__") else ""  # a bound method's
+    return (f"{target.__module__}.{target.__qualname__} {_source_digest(target, name)} {fields} "
+            f"{stable_repr(cells, name, depth + 1)} {stable_repr(target.__defaults__, name, depth + 1)} "
+            f"{_globals_read(target, name)}")
+
+
+def _source_digest(fn, name: str) -> str:
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+    except (OSError, TypeError) as e:
+        raise Uncacheable(f"pass {name!r}: the source of {fn.__qualname__} cannot be read ({e})") from None
+
+
+def _globals_read(fn, name: str) -> str:
+    """The module-level functions `fn` calls, and those they call (their source: an edited helper changes the key), and
+    the plain values they read; pipeline and torch code is in the key by its version."""
+    seen, todo, parts = {fn}, [fn], []
+    while todo:
+        codes, names, f = [todo[-1].__code__], set(), todo.pop()
+        while codes:
+            names.update((code := codes.pop()).co_names)
+            codes += [c for c in code.co_consts if inspect.iscode(c)]
+        for n, v in ((n, f.__globals__[n]) for n in sorted(names) if n in f.__globals__):
+            if isinstance(v, (bool, int, float, str, bytes)):
+                parts.append(f"{n}={v!r}")
+            elif inspect.isfunction(v) and v not in seen and not (v.__module__ or "").startswith(OWN_PACKAGES):
+                seen.add(v)
+                todo.append(v)
+                parts.append(f"{v.__module__}.{v.__qualname__} {_source_digest(v, name)}")
+    return " ".join(parts)
 
 
 def stable_repr(value, name: str = "?", depth: int = 0) -> str:

@@ -188,7 +188,7 @@ def test_pass_without_readable_source_disables_the_cache(mlp):
     exec("def generated(trace):\n    return trace.derive(trace.editable(), by='generated')", namespace)
     cm, _, _ = compile_and_step(mlp, torch.randn(4, 16), transforms=[namespace["generated"]])
     status = pipeline.compile_stats(cm).cache["g0"]
-    assert status.startswith("off: pass 'generated': its source cannot be read")
+    assert status.startswith("off: pass 'generated': the source of generated cannot be read")
 
 
 def scaled_pass(factor):
@@ -263,6 +263,115 @@ def test_graphs_differing_only_inside_a_higher_order_op_are_different_entries(fi
         fn(ref).sum().backward()
         assert torch.equal(x.grad, ref.grad) and pipeline.compile_stats(cm).cache == {"g0": "miss"}
     assert len(entries()) == 2
+
+
+def _named_act(fn):
+    fn.__name__ = fn.__qualname__ = "act"  # the captured graph's code names it "act" either way
+    return torch._dynamo.allow_in_graph(fn)
+
+
+def _plus_one(x):
+    return x + 1
+
+
+def _times_ten(x):
+    return x * 10
+
+
+def test_a_function_the_graph_only_names_is_keyed_by_its_code():
+    """`allow_in_graph` keeps a function whole in Dynamo's graph (AOTAutograd traces into it): its body is in the key."""
+    for body in (_plus_one, _times_ten):
+        torch._dynamo.reset()
+        act = _named_act(body)
+        cm = pipeline.jit(lambda x: act(x) * 2, executors=["torch"])
+        assert torch.equal(cm(torch.ones(2)), body(torch.ones(2)) * 2)
+        assert pipeline.compile_stats(cm).cache == {"g0": "miss"}
+    assert len(entries()) == 2
+
+
+def test_a_custom_ops_kernels_are_in_the_key():
+    @torch.library.custom_op("test_cache::act", mutates_args=())
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+    act.register_fake(torch.empty_like)
+    for expected in (4.0, 20.0):
+        torch._dynamo.reset()
+        cm = pipeline.jit(lambda x: act(x) * 2, executors=["torch"])
+        assert cm(torch.ones(2)).tolist() == [expected] * 2
+        assert pipeline.compile_stats(cm).cache == {"g0": "miss"}
+        act.register_kernel("cpu")(_times_ten)  # the op's kernel edited: the next compile must not load the first
+    assert len(entries()) == 2
+
+
+def test_a_custom_op_whose_kernels_cannot_be_read_turns_the_cache_off():
+    lib = torch.library.Library("test_cache_lib", "DEF")
+    lib.define("act(Tensor x) -> Tensor")
+    lib.impl("act", _plus_one, "CompositeImplicitAutograd")
+    cm = pipeline.jit(lambda x: torch.ops.test_cache_lib.act(x) * 2, executors=["torch"])
+    assert cm(torch.ones(2)).tolist() == [4.0, 4.0]
+    assert pipeline.compile_stats(cm).cache["g0"].startswith("off: the graph calls custom op test_cache_lib::act")
+
+
+PASS_MODULE = """
+import torch
+from transforms import trace_pass
+SWAP = {swap}
+
+def _replacement():
+    return torch.ops.aten.{op}.Tensor
+
+@trace_pass(runs_on="after_autodiff")
+def swap_mul(trace):
+    gm = trace.editable()
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.mul.Tensor and SWAP:
+            node.target = _replacement()
+    gm.recompile()
+    return trace.derive(gm, by="swap_mul")
+"""
+
+
+@pytest.mark.parametrize("first, edited", [({"op": "mul", "swap": True}, {"op": "add", "swap": True}),
+                                           ({"op": "add", "swap": False}, {"op": "add", "swap": True})],
+                         ids=["helper", "constant"])
+def test_an_edited_helper_or_constant_of_a_pass_is_a_different_entry(tmp_path, monkeypatch, first, edited):
+    """A pass's key holds the module-level functions it calls and the plain values it reads, not only its own source."""
+    import importlib
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path, results = tmp_path / "user_passes_for_the_key.py", []
+    for fields in (first, edited):
+        path.write_text(PASS_MODULE.format(**fields))
+        module = importlib.reload(sys.modules["user_passes_for_the_key"]) if results else \
+            importlib.import_module("user_passes_for_the_key")
+        torch._dynamo.reset()
+        cm = pipeline.jit(lambda x, y: x * y, executors=["torch"], transforms=[module.swap_mul])
+        results.append(cm(torch.full((2,), 3.0), torch.full((2,), 5.0)).tolist())
+        assert pipeline.compile_stats(cm).cache == {"g0": "miss"}
+    assert results == [[15.0, 15.0], [8.0, 8.0]] and len(entries()) == 2
+    sys.modules.pop("user_passes_for_the_key")
+
+
+class _Swap:
+    def __init__(self, op):
+        self.op = op
+
+    def run(self, trace):
+        gm = trace.editable()
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten.mul.Tensor:
+                node.target = getattr(torch.ops.aten, self.op).Tensor
+        gm.recompile()
+        return trace.derive(gm, by="swap")
+
+
+def test_a_pass_that_is_a_bound_method_is_keyed_by_its_instances_fields():
+    results = []
+    for op in ("mul", "add"):
+        torch._dynamo.reset()
+        swap = trace_pass(_Swap(op).run, runs_on="after_autodiff", name="swap")
+        cm = pipeline.jit(lambda x, y: x * y, executors=["torch"], transforms=[swap])
+        results.append(cm(torch.full((2,), 3.0), torch.full((2,), 5.0)).tolist())
+    assert results == [[15.0, 15.0], [8.0, 8.0]] and len(entries()) == 2
 
 
 def test_the_default_dtype_is_in_the_key():
