@@ -4,37 +4,41 @@ would cut the forces' dependence on the parameters: those are removed; detaches 
 
 import dataclasses
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .cache import global_modes
 from .compiler import PipelineBackend
+from .fallbacks import report_fallback
 
 
 def differentiates_inside(model_or_fn) -> bool:
-    """Whether the forward code calls `autograd.grad`: a scan of the code objects (each module's forward,
-    or the function) for the attribute `grad` next to `autograd`, following the module-level functions
-    and the methods of the module's class they name, a few calls deep (a helper computing forces)."""
+    """Whether the forward code calls `autograd.grad` (the attribute `grad` next to `autograd`)."""
+    return any({"autograd", "grad"} <= _names(f.__code__) for f in _forward_code(model_or_fn))
+
+
+def _forward_code(model_or_fn) -> list[types.FunctionType]:
+    """The forward code: each module's forward (or the function), and the module-level functions and methods of the
+    module's class it names, a few calls deep (a helper computing forces), torch's own excepted."""
     modules = model_or_fn.modules() if isinstance(model_or_fn, torch.nn.Module) else ()
     starts = [(type(m).forward, type(m)) for m in modules if isinstance(getattr(type(m), "forward", None), types.FunctionType)]
-    seen: set = set()
-    return any(_calls_autograd_grad(fn, cls, seen) for fn, cls in starts or [(model_or_fn, None)])
-
-
-def _calls_autograd_grad(fn, cls, seen: set, depth: int = 0) -> bool:
-    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    if code is None or code in seen or depth > 3 or (depth and (fn.__module__ or "").split(".")[0] == "torch"):
-        return False
-    seen.add(code)
-    names = _names(code)
-    called = [scope[n] if isinstance(scope.get(n), types.FunctionType) else getattr(cls, n, None) for n in names]
-    return {"autograd", "grad"} <= names or any(
-        _calls_autograd_grad(f, cls, seen, depth + 1) for f in called if isinstance(f, types.FunctionType))
+    found, todo = {}, [(fn, cls, 0) for fn, cls in starts or [(model_or_fn, None)]]
+    while todo:
+        fn, cls, depth = todo.pop()
+        code = getattr(fn, "__code__", None)
+        if code is None or code in found or depth > 3 or (depth and (fn.__module__ or "").split(".")[0] == "torch"):
+            continue
+        found[code] = fn
+        named = (fn.__globals__[n] if isinstance(fn.__globals__.get(n), types.FunctionType) else getattr(cls, n, None)
+                 for n in _names(code))
+        todo += [(f, cls, depth + 1) for f in named if isinstance(f, types.FunctionType)]
+    return list(found.values())
 
 
 def _names(code: types.CodeType) -> set:
@@ -52,12 +56,28 @@ def _(x):
     return torch.empty_like(x)
 
 
+class NotCapturable(Exception):
+    """The forward does what a `make_fx` capture through `autograd.grad` cannot keep; the message says what."""
+
+
 class _MarkUserDetach(TorchFunctionMode):
+    """Marks what the user cut from the gradient (`detach`, `.data`, ops under `torch.no_grad()`): `make_fx` records
+    ops, not grad mode. Ops run without grad on other grounds (an `autograd.Function`'s forward) are refused."""
+    user_grad_off = False
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.detach, torch.detach):
+        if func is torch._C._set_grad_enabled:
+            self.user_grad_off = not args[0]
+        if func in (torch.Tensor.detach, torch.detach) or getattr(func, "__self__", None) is torch.Tensor.data:
             # the inner detach is the engine-like one (removed); the marker becomes the real detach
             return _user_detach(args[0].detach())
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled() or not any(getattr(a, "requires_grad", False) for a in pytree.tree_leaves(args)):
+            return out
+        if not self.user_grad_off:
+            raise NotCapturable(f"{getattr(func, '__qualname__', func)} runs without grad outside torch.no_grad() "
+                                f"(an autograd.Function's forward? its backward would be lost)")
+        return pytree.tree_map_only(torch.Tensor, _user_detach, out)
 
 
 def trace_through_grad(fn: Callable, example_inputs: list) -> fx.GraphModule:
@@ -76,26 +96,34 @@ def trace_through_grad(fn: Callable, example_inputs: list) -> fx.GraphModule:
     return gm
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
 @dataclasses.dataclass
 class _Entry:
-    compiled: Callable
+    compiled: Optional[Callable]  # None: runs in eager (`NotCapturable`)
     out_spec: Any
+    rebound: list[str]  # the buffers the forward rebinds (`self.steps = self.steps + 1`), its last outputs
 
 
 def _module_state(m: torch.nn.Module) -> tuple:
-    """What a capture bakes in of a submodule: train/eval and its hooks, by handle (one added later must recompile);
-    the hook-less common case costs one `any` (this runs for every submodule at every call)."""
+    """What a capture bakes in of a submodule: its plain attributes (train/eval, a scale, a flag choosing a branch) and
+    its hooks, by handle (one added later must recompile)."""
     hooks = m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
-    return (m.training, *map(tuple, hooks)) if any(hooks) else m.training
+    plain = tuple((k, v) for k, v in vars(m).items() if isinstance(v, _PLAIN))
+    return (plain, *map(tuple, hooks)) if any(hooks) else plain
 
 
 class GradCapture:
     """Compiles and runs a model through `trace_through_grad`, one compilation per input signature (shapes, dtypes,
-    requires_grad, the global modes `cache.global_modes` names, each submodule's train/eval and hooks)."""
+    requires_grad, the global modes `cache.global_modes` names, each submodule's plain attributes and hooks, the plain
+    module-level values the forward code reads)."""
 
     def __init__(self, model_or_fn, state):
         self.target, self.state = model_or_fn, state
         self.cache: dict[tuple, _Entry] = {}
+        self.globals_read = [(f.__globals__, n) for f in _forward_code(model_or_fn) for n in sorted(_names(f.__code__))
+                             if isinstance(f.__globals__.get(n), _PLAIN)]
 
     def __call__(self, *args, **kwargs):
         module = self.target if isinstance(self.target, torch.nn.Module) else None
@@ -103,18 +131,26 @@ class GradCapture:
         buffers = dict(module.named_buffers()) if module is not None else {}
         flat_args, in_spec = pytree.tree_flatten((args, kwargs))
         key = (in_spec, global_modes(), tuple(map(_module_state, module.modules())) if module is not None else None,
-               tuple(_signature(v) for v in [*params.values(), *buffers.values(), *flat_args]))
+               tuple(_signature(v) for v in [*params.values(), *buffers.values(), *flat_args]),
+               tuple(_signature(scope.get(n)) for scope, n in self.globals_read))
         if (entry := self.cache.get(key)) is None:
             if self.cache:
                 self.state.history.recompiles += 1
             entry = self.cache[key] = self._compile(params, buffers, flat_args, in_spec)
+        if entry.compiled is None:
+            return self.target(*args, **kwargs)
         tensors = [*params.values(), *buffers.values(), *(a for a in flat_args if isinstance(a, torch.Tensor))]
-        return pytree.tree_unflatten(list(entry.compiled(*tensors)), entry.out_spec)
+        out = list(entry.compiled(*tensors))
+        kept = len(out) - len(entry.rebound)
+        for name, value in zip(entry.rebound, out[kept:]):
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, value)
+        return pytree.tree_unflatten(out[:kept], entry.out_spec)
 
     def _compile(self, params, buffers, flat_args, in_spec) -> _Entry:
         names = [*params, *buffers]
         tensor_positions = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
-        out_spec = []
+        out_spec, rebound = [], {}
 
         def flat_forward(*tensors):
             state = dict(zip(names, tensors[:len(names)]))
@@ -122,16 +158,24 @@ class GradCapture:
             for i, t in zip(tensor_positions, tensors[len(names):]):
                 filled[i] = t
             args, kwargs = pytree.tree_unflatten(filled, in_spec)
-            out = (torch.func.functional_call(self.target, state, args, kwargs)
-                   if isinstance(self.target, torch.nn.Module) else self.target(*args, **kwargs))
+            if not isinstance(self.target, torch.nn.Module):
+                out = self.target(*args, **kwargs)
+            else:
+                with _reparametrize_module(self.target, state):
+                    out = self.target(*args, **kwargs)
+                    rebound.update((n, b) for n, b in self.target.named_buffers() if b is not state.get(n))
             flat_out, spec = pytree.tree_flatten(out)
             out_spec.append(spec)
-            return flat_out
+            return [*flat_out, *rebound.values()]
 
         inputs = [*params.values(), *buffers.values(), *(flat_args[i] for i in tensor_positions)]
-        gm = trace_through_grad(flat_forward, inputs)
+        try:
+            gm = trace_through_grad(flat_forward, inputs)
+        except NotCapturable as e:
+            report_fallback(self.state, f"the model runs in eager: {e}")
+            return _Entry(None, None, [])
         backend = PipelineBackend(self.state, level="aten", capture="capture (make_fx through autograd.grad)")
-        return _Entry(backend(gm, inputs), out_spec[-1])
+        return _Entry(backend(gm, inputs), out_spec[-1], list(rebound))
 
 
 def _signature(v):

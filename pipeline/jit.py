@@ -215,7 +215,7 @@ def _call(jitted, args, kwargs):
     if config.cuda_graphs and isinstance(runner, GradCapture):
         # a new step for the CUDA graph trees, which count Dynamo's frame entries; this path has none
         torch._dynamo.mutation_guard.GenerationTracker.generation += 1
-    n_records = len(history.records)
+    n_records, n_fallbacks = len(history.records), len(history.fallbacks)
     breaks_before = _raw_break_counts(counters)  # cheap copies; parsed only if this call compiled
     start = time.perf_counter()
     _give_ups.calls.append([])
@@ -237,7 +237,7 @@ def _call(jitted, args, kwargs):
     history.calls += 1
     if config.autotune:
         save_changed()
-    compiled_nothing = not history.records and history.calls == 1
+    compiled_nothing = not history.records and history.calls == 1 and len(history.fallbacks) == n_fallbacks
     if len(history.records) != n_records or compiled_nothing:
         history.generation += 1
         for record in history.records[n_records:]:

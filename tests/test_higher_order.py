@@ -144,3 +144,80 @@ def test_switching_a_submodule_or_the_default_dtype_compiles_again():
         torch.set_default_dtype(saved)
     assert pipeline.compile_stats(cm).recompilations == 2
 
+
+
+SCALE = 1.0  # a module-level value the forward reads
+
+
+class Scaled(Potential):
+    """Reads a plain attribute and a module-level value, rebinds a buffer, and normalises by a value under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.0
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, positions):
+        positions = positions.requires_grad_(True)
+        with torch.no_grad():
+            norm = self.embed.weight.norm()  # a normaliser that must not be differentiated
+        h = torch.tanh(self.embed(positions) / norm + self.embed.bias.data)
+        energy = self.out(F.silu(self.hidden(h))).sum() * self.scale * SCALE
+        self.calls = self.calls + 1  # rebound, not updated in place
+        return energy, -torch.autograd.grad(energy, positions, create_graph=True)[0]
+
+
+def test_through_autograd_grad_plain_values_rebound_buffers_and_no_grad_act_as_in_eager():
+    """Each was baked into the first capture or lost: an attribute or global changed later, a rebound buffer, the
+    gradient through an op under `torch.no_grad()` or through `.data`."""
+    global SCALE
+    model = Scaled()
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["torch"], fallback="raise")
+    positions, target = torch.randn(7, 3), torch.randn(7, 3)
+    try:
+        for scale, global_scale in ((1.0, 1.0), (3.0, 1.0), (3.0, 2.0)):
+            model.scale = eager.scale = scale
+            SCALE = global_scale
+            results, expected = train_step(cm, positions, target), train_step(eager, positions, target)
+            for got, want in zip(results, expected):
+                torch.testing.assert_close(got, want)
+    finally:
+        SCALE = 1.0
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert model.calls.item() == eager.calls.item() == 3
+    assert pipeline.compile_stats(cm).recompilations == 2
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.allow_fallback
+def test_an_autograd_function_through_autograd_grad_runs_in_eager_loudly():
+    """`make_fx` records an `autograd.Function`'s forward ops, not its backward: such a model runs in eager, warned."""
+    class Quantized(Potential):
+        def forward(self, positions):
+            positions = positions.requires_grad_(True)
+            energy = (self.embed(positions) * _StraightThrough.apply(self.out.weight.sum())).sum()
+            return energy, -torch.autograd.grad(energy, positions, create_graph=True)[0]
+
+    model = Quantized()
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["torch"])
+    positions, target = torch.randn(7, 3), torch.randn(7, 3)
+    with pytest.warns(pipeline.PipelineFallbackWarning, match="runs in eager: .*round runs without grad") as caught:
+        train_step(cm, positions, target)
+    assert len(caught) == 1
+    train_step(eager, positions, target)
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    with pytest.raises(pipeline.PipelineFallbackError, match="autograd.Function"):
+        pipeline.jit(Quantized(), executors=["torch"], fallback="raise")(positions.clone())
