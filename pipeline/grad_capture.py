@@ -3,6 +3,7 @@
 would cut the forces' dependence on the parameters: those are removed; detaches the user wrote are marked and kept."""
 
 import dataclasses
+import inspect
 import types
 from typing import Any, Callable, Optional
 
@@ -97,6 +98,7 @@ def trace_through_grad(fn: Callable, example_inputs: list) -> fx.GraphModule:
 
 
 _PLAIN = (bool, int, float, str, type(None))
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 
 
 @dataclasses.dataclass
@@ -104,26 +106,40 @@ class _Entry:
     compiled: Optional[Callable]  # None: runs in eager (`NotCapturable`)
     out_spec: Any
     rebound: list[str]  # the buffers the forward rebinds (`self.steps = self.steps + 1`), its last outputs
+    grad_on: list[int]  # the inputs the forward turns `requires_grad` on for (forces: `x.requires_grad_()`)
+
+
+def _snapshot(v, depth: int = 0):
+    """What a capture bakes in of a value it reads: plain values, and containers and objects' fields of them (a config
+    dataclass, a list of coefficients), a few levels deep; anything else by identity."""
+    if isinstance(v, _PLAIN):
+        return v
+    if depth > 2 or callable(v) or inspect.ismodule(v) or isinstance(v, torch.Tensor):
+        return type(v), id(v)
+    if isinstance(v, (list, tuple, dict)):
+        return type(v), *(_snapshot(x, depth + 1) for x in (v.items() if isinstance(v, dict) else v))
+    return (type(v), _snapshot(vars(v), depth + 1)) if hasattr(v, "__dict__") else (type(v), id(v))
 
 
 def _module_state(m: torch.nn.Module) -> tuple:
-    """What a capture bakes in of a submodule: its plain attributes (train/eval, a scale, a flag choosing a branch) and
-    its hooks, by handle (one added later must recompile)."""
+    """What a capture bakes in of a submodule: its fields (train/eval, a scale, a config choosing a branch) and its
+    hooks, by handle (one added later must recompile)."""
     hooks = m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
-    plain = tuple((k, v) for k, v in vars(m).items() if isinstance(v, _PLAIN))
-    return (plain, *map(tuple, hooks)) if any(hooks) else plain
+    fields = tuple((k, _snapshot(v)) for k, v in vars(m).items() if k not in _MODULE_INTERNALS)
+    return (fields, *map(tuple, hooks)) if any(hooks) else fields
 
 
 class GradCapture:
     """Compiles and runs a model through `trace_through_grad`, one compilation per input signature (shapes, dtypes,
-    requires_grad, the global modes `cache.global_modes` names, each submodule's plain attributes and hooks, the plain
-    module-level values the forward code reads)."""
+    requires_grad, the global modes `cache.global_modes` names, each submodule's fields and hooks, the module-level
+    values and closure cells the forward code reads)."""
 
     def __init__(self, model_or_fn, state):
         self.target, self.state = model_or_fn, state
         self.cache: dict[tuple, _Entry] = {}
-        self.globals_read = [(f.__globals__, n) for f in _forward_code(model_or_fn) for n in sorted(_names(f.__code__))
-                             if isinstance(f.__globals__.get(n), _PLAIN)]
+        code = _forward_code(model_or_fn)
+        self.globals_read = [(f.__globals__, n) for f in code for n in sorted(_names(f.__code__)) if n in f.__globals__]
+        self.cells = [c for f in code for c in f.__closure__ or ()]
 
     def __call__(self, *args, **kwargs):
         module = self.target if isinstance(self.target, torch.nn.Module) else None
@@ -132,13 +148,16 @@ class GradCapture:
         flat_args, in_spec = pytree.tree_flatten((args, kwargs))
         key = (in_spec, global_modes(), tuple(map(_module_state, module.modules())) if module is not None else None,
                tuple(_signature(v) for v in [*params.values(), *buffers.values(), *flat_args]),
-               tuple(_signature(scope.get(n)) for scope, n in self.globals_read))
+               tuple(_snapshot(scope.get(n)) for scope, n in self.globals_read),
+               tuple(_snapshot(c.cell_contents) if _cell_filled(c) else None for c in self.cells))
         if (entry := self.cache.get(key)) is None:
             if self.cache:
                 self.state.history.recompiles += 1
             entry = self.cache[key] = self._compile(params, buffers, flat_args, in_spec)
         if entry.compiled is None:
             return self.target(*args, **kwargs)
+        for i in entry.grad_on:
+            flat_args[i].requires_grad_(True)
         tensors = [*params.values(), *buffers.values(), *(a for a in flat_args if isinstance(a, torch.Tensor))]
         out = list(entry.compiled(*tensors))
         kept = len(out) - len(entry.rebound)
@@ -150,7 +169,7 @@ class GradCapture:
     def _compile(self, params, buffers, flat_args, in_spec) -> _Entry:
         names = [*params, *buffers]
         tensor_positions = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
-        out_spec, rebound = [], {}
+        out_spec, rebound, grad_on = [], {}, []
 
         def flat_forward(*tensors):
             state = dict(zip(names, tensors[:len(names)]))
@@ -166,6 +185,8 @@ class GradCapture:
                     rebound.update((n, b) for n, b in self.target.named_buffers() if b is not state.get(n))
             flat_out, spec = pytree.tree_flatten(out)
             out_spec.append(spec)
+            grad_on[:] = [i for i, t in zip(tensor_positions, tensors[len(names):])
+                          if t.requires_grad and not flat_args[i].requires_grad]
             return [*flat_out, *rebound.values()]
 
         inputs = [*params.values(), *buffers.values(), *(flat_args[i] for i in tensor_positions)]
@@ -173,9 +194,19 @@ class GradCapture:
             gm = trace_through_grad(flat_forward, inputs)
         except NotCapturable as e:
             report_fallback(self.state, f"the model runs in eager: {e}")
-            return _Entry(None, None, [])
+            return _Entry(None, None, [], [])
+        for i in grad_on:  # as the forward did in eager, before compiling: its gradient is then computed
+            flat_args[i].requires_grad_(True)
         backend = PipelineBackend(self.state, level="aten", capture="capture (make_fx through autograd.grad)")
-        return _Entry(backend(gm, inputs), out_spec[-1], list(rebound))
+        return _Entry(backend(gm, inputs), out_spec[-1], list(rebound), grad_on)
+
+
+def _cell_filled(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:
+        return False
 
 
 def _signature(v):

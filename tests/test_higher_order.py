@@ -1,5 +1,6 @@
 """Double backward: a potential whose forward computes forces = -dE/dx with autograd.grad."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -221,3 +222,57 @@ def test_an_autograd_function_through_autograd_grad_runs_in_eager_loudly():
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     with pytest.raises(pipeline.PipelineFallbackError, match="autograd.Function"):
         pipeline.jit(Quantized(), executors=["torch"], fallback="raise")(positions.clone())
+
+
+@dataclasses.dataclass
+class _Config:
+    scale: float = 1.0
+
+
+class Configured(Potential):
+    """Reads a config object's field and a list element; turns `requires_grad` on for the caller's tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.config, self.coefficients = _Config(), [1.0]
+
+    def forward(self, positions):
+        positions.requires_grad_(True)  # in place, as force models do
+        h = torch.tanh(self.embed(positions))
+        energy = self.out(F.silu(self.hidden(h))).sum() * self.config.scale * self.coefficients[0]
+        return energy, -torch.autograd.grad(energy, positions, create_graph=True)[0]
+
+
+def test_through_autograd_grad_nested_values_and_requires_grad_act_as_in_eager():
+    """A config object's field and a list element were baked into the first capture; the input's `requires_grad_()`
+    inside forward did not reach the caller's tensor (no `positions.grad`)."""
+    model = Configured()
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["torch"], fallback="raise")
+    for change in (lambda m: None, lambda m: setattr(m.config, "scale", 3.0),
+                   lambda m: m.coefficients.__setitem__(0, -2.0)):
+        change(model), change(eager)
+        positions = torch.randn(5, 3)
+        reference = positions.clone()
+        for (energy, forces), x in ((cm(positions), positions), (eager(reference), reference)):
+            (energy + forces.square().sum()).backward()
+            assert x.requires_grad
+        torch.testing.assert_close(positions.grad, reference.grad)
+        torch.testing.assert_close(model.embed.weight.grad, eager.embed.weight.grad)
+    assert pipeline.compile_stats(cm).recompilations == 2
+
+
+def test_through_autograd_grad_a_closure_cell_is_read_at_each_call():
+    def make(coefficient):
+        def forces(positions):
+            positions = positions.requires_grad_(True)
+            energy = (positions * positions * coefficient[0]).sum()
+            return -torch.autograd.grad(energy, positions, create_graph=True)[0]
+        return forces
+
+    coefficient = [2.0]
+    forces = make(coefficient)
+    cm, positions = pipeline.jit(forces, executors=["torch"], fallback="raise"), torch.randn(4, 3)
+    for value in (2.0, 7.0):
+        coefficient[0] = value
+        torch.testing.assert_close(cm(positions.clone()), forces(positions.clone()))
