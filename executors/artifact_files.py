@@ -21,8 +21,7 @@ def cache_on() -> bool:
 
 
 def artifact_files_dir(name: str) -> str | None:
-    """`<root>/<name>` (made 0700) for an executor's files that a cached artifact loads (Inductor's kernels): only this
-    user can write there, so what was checked before loading stays as checked. None while the cache is off."""
+    """`<root>/<name>` (0700: only this user writes there, so what was checked stays so); None when the cache is off."""
     if not _artifact_files_root:
         return None
     path = os.path.join(_artifact_files_root[0], name)

@@ -1,6 +1,5 @@
-"""Executors chosen by measured time (`pipeline.jit(..., autotune=True)`; docs/executors.md): a region
-more than one listed executor takes whole is compiled by each (`Race`) and, at its first call, timed
-on that call's inputs (median of `RUNS`; on a GPU its GPU time only); ties go to the one listed first."""
+"""Executors chosen by measured time (`autotune=True`; docs/executors.md): a region several listed executors take whole
+is compiled by each (`Race`), timed at its first call (median of `RUNS`, GPU time on a GPU); ties: the first listed."""
 
 import statistics
 import time
@@ -28,8 +27,7 @@ def why_not_raced(gm: fx.GraphModule) -> Optional[str]:
 
 
 class Race:
-    """One kind of region's compiled candidates until its first call picks one; `decided(name, times,
-    seconds)` is told the choice, each candidate's median ms and what measuring took."""
+    """One kind of region's compiled candidates until its first call picks one, which `decided(...)` is told."""
 
     def __init__(self, candidates: Sequence[tuple[Executor, Callable]], region: Region, gm: fx.GraphModule,
                  decided: Callable[[str, dict, float], None], problem: Callable[[object], Optional[str]]):
@@ -83,19 +81,19 @@ class Race:
 
 def _median_ms(fn: Callable, args: list, donated: list[int], cuda: bool, problem) -> tuple[float, float]:
     """Median ms of `fn` on `args` and their median absolute deviation (donated inputs copied per run)."""
-    def run_once() -> tuple[Callable, list]:
-        fresh = [a.clone() if i in donated else a for i, a in enumerate(args)]
-        run = getattr(fn, "boxed", None)
-        return (run, fresh) if run is not None else (lambda a: fn(*a), fresh)
+    run = getattr(fn, "boxed", None) or (lambda a: fn(*a))
 
-    run, a = run_once()  # the warm-up, its result checked
+    def fresh() -> list:
+        return [x.clone() if i in donated else x for i, x in enumerate(args)]
+
+    a = fresh()  # the warm-up, its result checked
     t0 = time.perf_counter()
     if (wrong := problem(run(a))) is not None:
         raise ValueError(wrong)
     host_ms = (time.perf_counter() - t0) * 1e3  # launching, and any first-call work
     times, cycles, longer = [], int(GPU_CYCLES_PER_MS * min(max(2 * host_ms, 0.2), 50)), 3
     while len(times) < RUNS:
-        run, a = run_once()
+        a = fresh()
         if cuda:  # the GPU sleeps while the host queues the launches: the events time the kernels
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(cycles)

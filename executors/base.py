@@ -14,8 +14,7 @@ RegionFn = Callable[..., tuple]
 
 
 class RegionDeclined(Exception):
-    """Raised by `compile_region` when an executor chooses not to take a region (not an error):
-    the region goes to the next executor that claims it, with the message as the reason."""
+    """Raised by `compile_region` to decline a region (not an error): the next claiming executor takes it, told why."""
 
 
 class Availability:
@@ -33,8 +32,7 @@ class Availability:
 
 
 class Executor:
-    """Base class of executors. Subclasses set `name`, `kind`, `claims_table` (or override
-    `claims_op`), `compile_region` and, when they need something installed, `unavailable_reason`."""
+    """Base class of executors: subclasses set `name`, `kind`, `claims_table` (or `claims_op`), `compile_region`."""
 
     name: str = "executor"
     kind: str = "fusion"  # "fusion" | "operator"
@@ -47,7 +45,6 @@ class Executor:
         return None
 
     def available(self) -> Availability:
-        """Truthy when the executor can run here; otherwise falsy, with the reason as `.reason`."""
         return Availability(self.unavailable_reason())
 
     def claims_op(self, op, node: fx.Node) -> bool:
@@ -113,8 +110,7 @@ class Executor:
 
     # -- `PreparesGraph` --------------------------------------------------------------------------
     def passes_before_prepare(self) -> tuple[str, ...]:
-        """Names of built-in passes (`transforms.<name>`) run on the captured trace just before `prepare`
-        (TE's `group_linears`): executors do not import `transforms`."""
+        """Names of `transforms` passes run just before `prepare` (TE's `group_linears`): executors don't import it."""
         return ()
 
     def prepare(self, trace):
@@ -123,8 +119,7 @@ class Executor:
         return trace, []
 
     def binding(self):
-        """What `prepare` bound outside the graph, per model (state its ops name), for `bind_again`; None: it cannot be
-        bound again, so a warm start prepares again."""
+        """What `prepare` bound outside the graph (state its ops name), for `bind_again`; None: warm starts prepare."""
         return None
 
     def bind_again(self, binding) -> bool:
@@ -154,8 +149,7 @@ class Cacheable(Executor):
 
 
 class RebuiltFromGraph(Cacheable):
-    """A `Cacheable` executor with nothing compiled to store (torch, TE's kernel calls, nvFuser, which
-    cannot serialize a fusion): its cached region is compiled again from the region graph."""
+    """A `Cacheable` executor compiling a cached region again from its graph (torch, TE; nvFuser cannot save one)."""
 
     def save_region(self, fn) -> bytes:
         return b""

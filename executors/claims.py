@@ -12,8 +12,7 @@ class ClaimTable(dict):
 
     def register(self, *ops, checker: Optional[Checker] = None) -> None:
         """Claims each of `ops` (OpOverloads or Python callables); `checker`, when given, decides per node."""
-        for op in ops:
-            self[op] = checker
+        self.update(dict.fromkeys(ops, checker))
 
     def claims(self, op, node: fx.Node) -> bool:
         return op in self and (self[op] is None or bool(self[op](node)))

@@ -11,9 +11,8 @@ from .result_check import ResultCheck
 
 
 class CompiledRegion(torch.nn.Module):
-    """One region as it runs: the executor's compiled callable, its first call checked (`result_check.py`; every call
-    under `PIPELINE_DEBUG=1`): on a wrong result, the next executor claiming the region runs it (`replace`).
-    While `profiling` is set (`pipeline.profile`), each call is a named profiler range (`region3:inductor`)."""
+    """One region as it runs: the executor's callable, its first call checked (every call under `PIPELINE_DEBUG=1`): if
+    wrong, the next executor claiming it runs it (`replace`). Under `pipeline.profile`, calls are profiler ranges."""
 
     profiling = False
 
@@ -55,8 +54,7 @@ class CompiledRegion(torch.nn.Module):
         return self.fn(*args)
 
     def call_boxed(self, args: list):
-        """Runs the region on an argument list that it empties. When the executor's callable has a boxed entry
-        (`fn.boxed(list)`, as Inductor's has), nothing else holds the inputs, so each is freed after its last use."""
+        """Runs the region on a list it empties: through `fn.boxed(list)` (Inductor's), inputs freed after last use."""
         if (run := getattr(self.fn, "boxed", None)) is None:
             held = tuple(args)
             args.clear()

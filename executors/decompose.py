@@ -33,16 +33,13 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
     if (fn := node.target if table is not None else decomposition_of(node.target)) is None:
         return None
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
-    positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
-    values = [node_value(flat[i]) for i in positions]
+    values = [node_value(a) for a in flat if isinstance(a, fx.Node)]
     if any(v is None for v in values):
         return None
 
     def run(*inputs):
-        filled = list(flat)
-        for i, v in zip(positions, inputs):
-            filled[i] = v
-        args, kwargs = pytree.tree_unflatten(filled, spec)
+        given = iter(inputs)  # in the order of `values`: one per node argument
+        args, kwargs = pytree.tree_unflatten([next(given) if isinstance(a, fx.Node) else a for a in flat], spec)
         if (out := fn(*args, **kwargs)) is NotImplemented:
             raise _Declined()
         return out
@@ -64,9 +61,8 @@ def decompose_node(node: fx.Node, table: Optional[dict] = None) -> Optional[fx.G
 
 
 def replace_by_traced(node: fx.Node, fn, *args) -> None:
-    """Replaces `node` by the ATen ops of `fn(*args)` (node arguments read as their fake values), traced by
-    `make_fx`; raises `NotDecomposable` unless they compute the node's metadata. It retargets `node` first: call it
-    on an editable copy (a pass's `trace.editable()`), which a failure leaves half-done."""
+    """Replaces `node` by the ATen ops `make_fx` traces of `fn(*args)` (node arguments as fake values); raises
+    `NotDecomposable` unless they compute its metadata. Call it on an editable copy: a failure leaves it half-done."""
     promised, node.target, node.args, node.kwargs = node_value(node), fn, args, {}
     if (sub := decompose_node(node, table={})) is None:
         raise NotDecomposable(f"{getattr(fn, '__name__', fn)} traced to nothing but itself")
@@ -89,9 +85,7 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
     if higher_order:  # their bodies (and out_dtype, which the table decomposes) need the whole re-trace
         raise NotDecomposable(f"higher-order ops {higher_order[:3]}")
     traced: dict = {}
-    # node -> storages its users' values may still alias from before a splice gave it a new value:
-    # such a user (a view) is re-derived too, or it would look unaliased to Inductor's passes
-    stale: dict[fx.Node, set] = {}
+    stale: dict[fx.Node, set] = {}  # node -> storages its users (views) may alias from before a splice: re-derived too
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -203,11 +197,10 @@ def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> tuple[list[f
     new_nodes = [value_map[n] for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
     if isinstance(result, (tuple, list)):
         for user in list(node.users):
-            if user.op == "call_function" and user.target.__name__ == "getitem":
-                user.replace_all_uses_with(result[user.args[1]])
-                graph.erase_node(user)
-            else:
+            if user.op != "call_function" or user.target.__name__ != "getitem":
                 raise _Declined()
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
     else:
         node.replace_all_uses_with(result)
     graph.erase_node(node)

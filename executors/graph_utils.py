@@ -19,8 +19,7 @@ def promised_strides(region: fx.GraphModule) -> list[tuple[int, tuple[int, ...]]
 def keep_promised_strides(outs: list, promised: list[tuple[int, tuple[int, ...]]]) -> list:
     """`outs` (in place) with each output laid out differently from its promise copied into it."""
     for i, stride in promised:
-        if outs[i].stride() != stride and outs[i].numel() > 1:  # one element: any stride is the same
-            t = outs[i]
+        if (t := outs[i]).stride() != stride and t.numel() > 1:  # one element: any stride is the same
             outs[i] = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
     return outs
 

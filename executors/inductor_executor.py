@@ -1,5 +1,4 @@
-"""The `inductor` executor (docs/executors.md, "inductor"): regions, already functional ATen graphs, go
-straight to `compile_fx_inner`, the entry Inductor itself uses after AOTAutograd."""
+"""The `inductor` executor (docs/executors.md): ATen regions go straight to `compile_fx_inner`, as after AOTAutograd."""
 
 import contextlib
 import copy
@@ -25,6 +24,7 @@ from .decompose import NotDecomposable, decompose_graph
 from .inductor_kernels import kernels_awaited_later, wait_for_kernels
 
 
+aten = torch.ops.aten
 _triton_key_started: list = []  # the future of Triton's cache key, computed once per process
 
 
@@ -40,8 +40,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         return InductorExecutor(fallback_random=fallback_random)
 
     def for_model(self) -> "InductorExecutor":
-        """Starts Inductor's parallel compile workers now, as torch.compile's backend does on entry:
-        they take seconds to start, and kernels compile serially in this process until they are up."""
+        """Starts Inductor's compile workers now, as torch.compile does: until up (seconds), kernels build serially."""
         with contextlib.suppress(Exception):  # an optimisation only: without workers, kernels compile in-process
             from torch._inductor.async_compile import maybe_warm_pool
             maybe_warm_pool()
@@ -86,8 +85,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         with config.patch(fallback_random=self.fallback_random):
             decomposed = _inductor_decomposed(gm, example_inputs)
         donated = donated_inputs(gm)
-        # No layout choices of its own (other regions read these outputs with the promised strides),
-        # no CUDA graphs of its own (`cuda_graphs=True` records whole stages, regions inside them).
+        # No layouts of its own (others read the promised strides), no CUDA graphs (`cuda_graphs=True` records stages).
         with config.patch({"fallback_random": self.fallback_random, "layout_optimization": False,
                            "triton.cudagraphs": False}), \
                 _donating(decomposed, donated), _kernel_dir(own := _own_dir()), kernels_awaited_later() as pending:
@@ -116,8 +114,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         return None
 
     def save_region(self, fn: "InductorRegion") -> bytes:
-        """Inductor's compiled graph as its own FX graph cache stores it, plus the shared libraries of
-        its C++ kernels by their path under its cache dir, where loading finds them (no C++ compile)."""
+        """The graph as Inductor's FX graph cache stores it, and its C++ kernels' libraries by path (none rebuilt)."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         stored = copy.copy(fn.compiled)
         stored.prepare_for_serialization()
@@ -168,16 +165,14 @@ class InductorRegion:
 
     def boxed(self, args: list) -> tuple:
         """Inductor's own calling convention: it empties `args` and frees each input after its last use."""
-        if self.pending:  # called before `finish_region` (outside dispatch): its kernels first
-            self.wait_for_kernels()
+        self.wait_for_kernels()  # none left once `finish_region` ran; outside dispatch, its kernels first
         return tuple(keep_promised_strides(list(self.compiled(args)), self.restride))
 
 
 @contextlib.contextmanager
 def _donating(gm: fx.GraphModule, donated: list[int]):
-    """Lets Inductor reuse the memory of the region's donated inputs (`donation.mark_donated_inputs`) for its own
-    buffers, as in torch.compile's backward (it reads their indices from the tracing context's `fw_metadata`). The
-    donated placeholders are renamed, so Inductor's FX graph cache tells the region from one with others donated."""
+    """Lets Inductor reuse the region's donated inputs' memory (`mark_donated_inputs`), as in torch.compile's backward
+    (indices in the tracing context's `fw_metadata`); renamed, so Inductor's FX graph cache keys the donation too."""
     if not donated:
         yield
         return
@@ -233,8 +228,7 @@ def _kernel_dir(path: str | None):
 
 
 def _put_verified(root: str, rel: str, content: bytes) -> None:
-    """`content` at `root/rel`: a file already there is kept only if its bytes hash the same (a
-    library is loaded from that path next); otherwise written (0600) in place atomically."""
+    """`content` at `root/rel`: a file there stays if its bytes are the same (a library loads from it); else written."""
     if not (path := os.path.normpath(os.path.join(root, rel))).startswith(root + os.sep):
         raise ValueError(f"artifact file {rel!r} lies outside the kernel directory")
     with contextlib.suppress(OSError, Skipped, Untrusted):  # else (absent, a link, not ours) written anew
@@ -246,8 +240,7 @@ def _put_verified(root: str, rel: str, content: bytes) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _portable_config_hash(config_hash: bytes) -> str:
-    """A hash of Inductor's config as its FX graph cache keys it (`save_config_portable`: without values describing
-    the process, such as compile_threads, which `config.get_hash()` includes), memoized on that hash."""
+    """Inductor's config hashed as its FX graph cache does (`save_config_portable`: no compile_threads and such)."""
     from torch._inductor import config
     values = config.save_config_portable(ignore_private_configs=False)
     text = "\n".join(f"{k}={_stable_text(v)}" for k, v in sorted(values.items()))
@@ -273,9 +266,8 @@ def _stable_text(value) -> str:
 
 @functools.cache
 def _machine() -> str:
-    """What generated kernels are specific to: the GPU, the CUDA/HIP and Triton versions (as Inductor's
-    `CacheBase.get_system` keys them), and the CPU's architecture and instruction-set flags (what its vector ISA is
-    picked from). Read cheaply: `get_system` and `pick_vec_isa` take seconds in every fresh process."""
+    """What generated kernels depend on: GPU, CUDA/HIP and Triton versions (as Inductor's `get_system`), the CPU's
+    architecture and ISA flags; read cheaply (`get_system`, `pick_vec_isa` take seconds per process)."""
     import importlib.metadata
     import platform
     parts = [platform.machine(), f"cuda {torch.version.cuda}", f"hip {torch.version.hip}",
@@ -296,9 +288,7 @@ def _machine() -> str:
 
 
 def _library_ops():
-    """Ops Inductor runs as calls into library kernels (cuBLAS, cuDNN, flash attention) when it
-    does not autotune its own templates: a region of only these and views gains nothing from it."""
-    aten = torch.ops.aten
+    """Ops Inductor runs as library kernels (cuBLAS, cuDNN, flash attention) unless it autotunes its own templates."""
     attention = ("flash_attention", "efficient_attention", "cudnn_attention", "flash_attention_for_cpu")
     names = ["mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward",
              *(f"_scaled_dot_product_{kind}{end}" for kind in attention for end in ("", "_backward"))]
@@ -306,10 +296,9 @@ def _library_ops():
 
 
 def _nothing_to_fuse(gm: fx.GraphModule) -> str | None:
-    """Why Inductor would add nothing but compile time to this region (it holds only library
-    kernels and views), or None. Under max-autotune Inductor may pick its own GEMM templates."""
+    """Why Inductor would add nothing but compile time (the region holds only library kernels and views), or None."""
     from torch._inductor import config
-    if config.max_autotune or config.max_autotune_gemm:
+    if config.max_autotune or config.max_autotune_gemm:  # it may pick its own GEMM templates
         return None
     library = _library_ops()
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
@@ -320,9 +309,8 @@ def _nothing_to_fuse(gm: fx.GraphModule) -> str | None:
 
 
 def _mismatched_strides(region: fx.GraphModule, strides) -> list[tuple[int, tuple[int, ...]]]:
-    """The promised strides of the outputs Inductor lays out differently (copied into them when run). Its
-    `strides` are printed expressions: a symbolic one is not compared."""
-    actual = [_static_stride(stride) for stride in strides or ()]
+    """The promised strides of the outputs Inductor lays out differently (copied into them when run)."""
+    actual = [_static_stride(stride) for stride in strides or ()]  # printed expressions: symbolic ones not compared
     return [(i, want) for i, want in promised_strides(region)
             if i < len(actual) and actual[i] is not None and actual[i] != want]
 
@@ -334,9 +322,8 @@ def _static_stride(stride) -> tuple[int, ...] | None:
 
 
 def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
-    """The region with Inductor's decompositions applied (op by op, `decompose_graph`; re-traced whole where that cannot
-    be done), then its graph-level rewrites (`joint_graph_passes`), as torch.compile does before `compile_fx_inner`.
-    Without the rewrites, NLL's backward keeps `zeros + scatter` (a logits-sized fp32 buffer), not a one-hot inline."""
+    """The region with Inductor's decompositions (op by op, `decompose_graph`, else re-traced whole) and graph rewrites
+    (`joint_graph_passes`), as torch.compile: without them NLL's backward keeps a logits-sized `zeros + scatter`."""
     from torch._guards import detect_fake_mode
     from torch._inductor import config
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
@@ -355,9 +342,8 @@ def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.Gra
 # Run on `torch`: Inductor returns None for `with_effects`' token, and (torch 2.13, CPU) wrong gradients for a
 # `nested_compile_region` called twice, as torch.compile does (tests/test_subgraph_ops.py).
 _REFUSED_HIGHER_ORDER_OPS = (torch.ops.higher_order.with_effects, torch.ops.higher_order.invoke_subgraph)
-_DECOMPOSE_BEFORE_PARTITION = (torch.ops.aten.detach.default, torch.ops.aten._log_softmax.default,
-                               torch.ops.aten._log_softmax_backward_data.default, torch.ops.aten._softmax.default,
-                               torch.ops.aten._softmax_backward_data.default, torch.ops.aten.nll_loss_backward.default)
+_DECOMPOSE_BEFORE_PARTITION = tuple(getattr(aten, op).default for op in (
+    "detach", "_log_softmax", "_log_softmax_backward_data", "_softmax", "_softmax_backward_data", "nll_loss_backward"))
 
 
 @functools.cache

@@ -1,6 +1,5 @@
-"""Inductor's kernels compiled in the background while the next regions are compiled. Its generated module waits
-for its kernels (compiling in Inductor's workers) as it loads (`async_compile.wait(globals())`): region after region,
-each waiting, left the workers mostly idle. Here the waiting is put off until the stage's regions all compiled."""
+"""Inductor's kernels compile in the background while the next regions compile: its module waits for them as it loads
+(`async_compile.wait(globals())`), which left its workers mostly idle; the wait is put off to the stage's end."""
 
 import contextlib
 import threading

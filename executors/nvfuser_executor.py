@@ -1,6 +1,5 @@
-"""The `nvfuser` executor: runs a region of ATen ops as one nvFuser `FusionDefinition`. It claims the ops
-of `nvfuser_ops.CLAIMS` on its device in dtypes nvFuser takes (what goes elsewhere and why: docs/executors.md).
-Sizes are symbolic except size-1 dims; definitions are cached per input signature."""
+"""The `nvfuser` executor: a region as one nvFuser `FusionDefinition`, of the ops in `nvfuser_ops.CLAIMS` on its device
+in dtypes nvFuser takes (docs/executors.md). Sizes are symbolic but size-1 dims; one definition per input signature."""
 
 import warnings
 from typing import Sequence
@@ -40,9 +39,8 @@ class NvFuserExecutor(RebuiltFromGraph):
                    for t in tensors if isinstance(t, torch.Tensor))
 
     def decompositions_before_partition(self) -> dict:
-        """Log-softmax in its parts, as for Inductor: the partitioner saves the loss's half-precision logits and two
-        [tokens, 1] reductions, not its fp32 log-probabilities (1 GiB at 8192 tokens x 32000). `detach` stays whole
-        (Inductor decomposes it to `alias`, which nvFuser would write as a copy of a saved tensor)."""
+        """Log-softmax in parts, as for Inductor: the partitioner saves half-precision logits and two [tokens, 1] sums,
+        not fp32 log-probabilities (1 GiB at 8192 tokens x 32000). `detach` stays whole: nvFuser would copy an alias."""
         from torch._decomp import get_decompositions
         return get_decompositions([torch.ops.aten._log_softmax.default])
 

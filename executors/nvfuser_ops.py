@@ -135,8 +135,7 @@ _op(aten.rsub.Scalar, aten.rsub.Tensor)(
     lambda fd, node, a, b, alpha=1: fd.ops.sub(b, a if alpha == 1 else fd.ops.mul(a, alpha)))
 
 
-# x ** c with the exponents norms and their gradients use, as multiplies or roots: nvFuser emits a
-# general powf otherwise (tens of instructions per element; Inductor rewrites these too)
+# x ** c for the exponents norms and their gradients use, as multiplies or roots: else a general powf (tens of ops)
 _POWERS = {1: lambda fd, x: fd.ops.set(x), 2: lambda fd, x: fd.ops.mul(x, x),
            3: lambda fd, x: fd.ops.mul(fd.ops.mul(x, x), x), 0.5: lambda fd, x: fd.ops.sqrt(x),
            -0.5: lambda fd, x: fd.ops.rsqrt(x), -1: lambda fd, x: fd.ops.reciprocal(x)}

@@ -20,8 +20,7 @@ from .symbol_inputs import pass_symbol_inputs
 
 
 def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[str, str]]:
-    """Moves every assigned op of `gm` (in place) into region submodules `region0`, `region1`, ... in execution order,
-    each given the shape symbols its code names (`pass_symbol_inputs`); returns their (name, executor), in order."""
+    """Moves `gm`'s assigned ops (in place) into submodules `region0`, ... in execution order: [(name, executor)]."""
     for k, ex in enumerate(executors):
         assigned = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") == ex.name]
         if not assigned:
@@ -42,9 +41,8 @@ def partition(gm: fx.GraphModule, executors: Sequence[Executor]) -> list[tuple[s
 
 
 def keep_islands_whole(gm: fx.GraphModule, executors: Sequence[Executor], fallback: str) -> None:
-    """A fusible island (fusion executors' ops between library kernels and other executors' ops, grouped as `partition`
-    groups) split between two fusion executors goes whole to the first that takes all of it (why: docs/design.md,
-    "Dispatch"; split, the loss tail cost 2.8 GiB on the H200). Moved ops get `meta["island"]`."""
+    """A fusible island (fusion executors' ops between library kernels and others' ops, grouped as `partition` does)
+    split between fusion executors goes whole to the first taking all of it (split, the loss tail took 2.8 GiB more)."""
     fusion = {e.name: e for e in executors if e.kind == "fusion" and e.name != fallback}  # in priority order
     library = set().union(*(e.library_ops() for e in fusion.values()))
     members = {n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("executor") in fusion

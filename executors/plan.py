@@ -32,8 +32,7 @@ log = get_logger("dispatch")
 
 @dataclasses.dataclass
 class RegionArtifact:
-    """What the compiled-artifact cache keeps of one compiled region: its executor's bytes to rebuild it
-    (`Executor.load_region`), loaded only for the region graph (`structure_key`) it was compiled from."""
+    """An artifact-cache entry: an executor's bytes (`load_region`), loaded only for its region graph (`structure`)."""
     executor: str
     data: bytes
     fallback_reason: Optional[str] = None
@@ -97,14 +96,11 @@ class _RegionBuilder:
 
     def __init__(self, gm, order, fallback, stage, graph_id, artifacts, on_fallback, listed, autotune):
         self.gm, self.order, self.fallback, self.stage, self.graph_id = gm, order, fallback, stage, graph_id
-        self.artifacts, self.on_fallback = artifacts, on_fallback
-        self.by_name = {e.name: e for e in order}
-        self.loaded: set[int] = set()
-        self.uncached: list[str] = []
+        self.artifacts, self.on_fallback, self.by_name = artifacts, on_fallback, {e.name: e for e in order}
+        self.loaded, self.uncached, self.autotune_seconds = set(), [], 0.0  # for `Execution`
         self.compiled: dict[tuple, tuple[Callable, Region]] = {}  # (executor, structure) -> first built
         self.replaced: dict[tuple, tuple[Callable, Region]] = {}  # the same, for wrong results
         self.listed, self.autotune = listed, autotune  # autotune races among `listed` (not the fallback)
-        self.autotune_seconds = 0.0
         self.keys: dict[int, str] = {}  # id(region source) -> its structure_key
         self.described: dict[tuple, Region] = {}  # (id(region source), executor) -> its row, as `_describe` made it
         self.unfinished: list[tuple] = []  # compiled regions with work left running (`finish_region`)
@@ -229,8 +225,7 @@ class _RegionBuilder:
 
 def _load_cached(artifact: Optional[RegionArtifact], source, structure: str, region: Region, by_name,
                  notes) -> Optional[Callable]:
-    """The region rebuilt from its cached artifact, or None (not cached, or it would not load).
-    `structure`: the region graph's `structure_key`, which the artifact must have been compiled from."""
+    """The region rebuilt from its artifact if that loads and was compiled from this graph (`structure`), else None."""
     if artifact is None or artifact.executor not in by_name:
         return None
     start = time.perf_counter()
@@ -290,8 +285,7 @@ def _warn(message: str) -> None:
 
 
 def _compile_with_fallback(source, region, first: Executor, order, fallback, finish=True) -> tuple[Callable, bool]:
-    """The region compiled by the first candidate that takes it, and whether any candidate failed
-    (raised an error, as opposed to declining). `finish=False`: the caller calls `finish_region`."""
+    """The region compiled by the first candidate taking it, and whether any failed (not declined: raised an error)."""
     check_symbols_bound(source, f"region {region.id} ({region.stage}, for {first.name})")  # else a NameError when run
     example_inputs = _example_inputs(source)
     candidates = [first] + [e for e in order[order.index(first) + 1:] if e is not first and _claims_all(e, source)]
@@ -361,8 +355,7 @@ def _describe(source: fx.GraphModule, stage: str, ex_name: str, graph_id: str, o
 
 
 def gemm_flops(node: fx.Node, executors: Sequence[Executor] = ()) -> tuple[int, bool]:
-    """(matmul FLOPs of `node`, whether they run in fp8); (0, False) for other ops. aten's matmuls are
-    counted here; any other op by the first of `executors` whose `flops` hook knows it."""
+    """(matmul FLOPs of `node`, whether in fp8), (0, False) for other ops: aten's here, others by executors' `flops`."""
     for ex in executors:
         if (counted := ex.flops(node)) is not None:
             return counted

@@ -12,9 +12,8 @@ from ir import node_value
 
 
 def structure_key(source: fx.GraphModule) -> str:
-    """A hash of what a region's compiled code depends on, node names aside: each node's op, target and arguments by
-    position, values' metadata (shapes, strides, dtypes, donation), constants' bytes. A Llama's 16 layers make one hash
-    per kind: the first region compiles, the others run its code (else each loads from Inductor's cache, ~50 ms)."""
+    """A hash of what a region's code depends on, names aside: each node's op, target, arguments by position, values'
+    metadata (shapes, strides, dtypes, donation), constants' bytes. Identical layers hash alike: one compiles."""
     index: dict[fx.Node, str] = {}
     parts = []
     for node in source.graph.nodes:

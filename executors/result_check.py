@@ -1,5 +1,4 @@
-"""The check of an executor's result against its region's trace, at the region's first call (every
-call under `PIPELINE_DEBUG=1`): what is compared, and what a mismatch does: docs/executors.md, at the end."""
+"""Checks an executor's result against its region's trace at its first call (all calls under `PIPELINE_DEBUG=1`)."""
 
 import os
 from typing import Any, Callable, Optional
@@ -22,8 +21,7 @@ class ResultCheck:
         self.donated = donated_inputs(source)
 
     def hold(self, args: list) -> Optional[list]:
-        """A copy of the argument list to run the region again with, or None when it has donated inputs
-        (copying them would cost the first step their memory again: 5 GiB in a 0.85B Llama's backward)."""
+        """A copy of the arguments, to run it again; None with donated inputs (copies: +5 GiB, 0.85B Llama backward)."""
         return None if self.donated else list(args)
 
     def problem(self, out: Any) -> Optional[str]:
@@ -71,8 +69,7 @@ def _same_device(want: torch.device, got: torch.device) -> bool:
 
 
 def _host_scalar(want: torch.Tensor, got: torch.Tensor) -> bool:
-    """A 0-dim CPU tensor where the trace has a 0-dim device tensor: Inductor returns scalars it
-    computed on the host so, and every op takes one beside device tensors, as eager does."""
+    """A 0-dim CPU tensor for a 0-dim device one: Inductor returns host scalars so; ops take them, as in eager."""
     return want.dim() == 0 and got.dim() == 0 and got.device.type == "cpu"
 
 

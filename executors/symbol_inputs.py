@@ -10,9 +10,8 @@ from ir.symbols import binds, unbound_symbols
 
 
 def pass_symbol_inputs(gm: fx.GraphModule) -> None:
-    """Adds to each region call of `gm` (in place) an input for each symbol the region needs but does not
-    bind: the earliest value before it that binds the symbol, a SymInt rather than a tensor (kept alive
-    longer). Symbols nothing binds are left for `ir.symbols.check_symbols_bound` to report."""
+    """Gives each region call of `gm` an input per symbol its region needs but does not bind: the earliest value before
+    it binding the symbol, a SymInt rather than a tensor (kept alive longer); `check_symbols_bound` reports the rest."""
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
     missing = {call: unbound_symbols(gm.get_submodule(call.target)) for call in calls}  # static: [] at once
     if not any(missing.values()):

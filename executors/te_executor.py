@@ -99,8 +99,7 @@ te_linear_backward = torch.library.custom_op("pipeline_te::linear_backward", mut
 
 @te_linear_backward.register_fake
 def _(dy, saved, has_bias, fp8, scaling, index):
-    k = saved[2].shape[0] if fp8 else saved[1].shape[1]
-    n = dy.shape[-1]
+    k, n = (saved[2].shape[0] if fp8 else saved[1].shape[1]), dy.shape[-1]
     out = [dy.new_empty(*dy.shape[:-1], k), dy.new_empty(n, k)]
     return out + [dy.new_empty(n)] if has_bias else out
 
@@ -112,9 +111,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _transposed_fp8(t: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """t [m, k] cast to E4M3 with the forward's scale, transposed [k, m], as bytes: in plain torch ops, so that the
-    partitioner can recompute t in the backward (an RMSNorm output from the residual kept anyway) and Inductor fuses
-    the cast into it, instead of keeping t or its fp8 copy from forward to backward (what torchao's float8 does too)."""
+    """t [m, k] cast to E4M3 with the forward's scale, transposed [k, m], as bytes, in torch ops: the partitioner can
+    recompute t (an RMSNorm output) in the backward, the cast fused, not keep t or its fp8 copy (as torchao)."""
     limit = torch.finfo(torch.float8_e4m3fn).max
     return (t.float() / scale_inv).clamp(-limit, limit).to(torch.float8_e4m3fn).view(torch.uint8).t().contiguous()
 
@@ -131,10 +129,9 @@ def _backward(ctx, grads):
 te_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
-# -- the rewrites: what TE takes, what the names of its fp8 state are read from --------------------
-MATMUL = Call((operator.matmul, torch.matmul), ("input", "other"), input="x", other="w")
-STACKED = Call(torch.cat, ("tensors", "dim"), tensors="ws")  # the weights of grouped linears
-TRANSPOSED = Call("contiguous", ("input",), input=Call(torch.t, ("input",), input="w"))  # of x @ W
+MATMUL = Call((operator.matmul, torch.matmul), ("input", "other"), input="x", other="w")  # taken as a linear
+STACKED = Call(torch.cat, ("tensors", "dim"), tensors="ws")  # grouped linears' weights: fp8 state named after the first
+TRANSPOSED = Call("contiguous", ("input",), input=Call(torch.t, ("input",), input="w"))  # of x @ W: named after W
 
 
 _CLAIMS = ClaimTable()
@@ -164,9 +161,8 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return TEExecutor(fp8=self.use_fp8, recipe=self.recipe, group_linears=group_linears)
 
     def fp8(self, recipe=None) -> "TEExecutor":
-        """The fp8 variant. `recipe`: None or `Float8CurrentScaling()` (current scaling), or
-        `DelayedScaling(...)` (amax history; margin, amax_history_len, amax_compute_algo 'max' |
-        'most_recent', fp8_format HYBRID | E4M3), from `transformer_engine.common.recipe`."""
+        """The fp8 variant. `recipe`: None or `Float8CurrentScaling()` (current scaling), or `DelayedScaling(...)`
+        (amax history; margin, amax_history_len, amax_compute_algo 'max' | 'most_recent', fp8_format HYBRID | E4M3)."""
         kind = type(recipe).__name__
         if recipe is not None and kind not in ("Float8CurrentScaling", "DelayedScaling"):
             raise TypeError(f"te.fp8: recipe {kind} is not supported; use transformer_engine.common.recipe."
@@ -230,9 +226,8 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
             return None
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
-        """The region calling the op's Python implementation: after AOTAutograd the dispatcher's autograd and aliasing
-        checks are not needed (~15 us per call on our CPU). One op (each region the partition makes) runs as a closure,
-        no code generated: a warm start of the 1B model makes 130 again."""
+        """The region calling its ops' Python code: past AOTAutograd, the dispatcher's autograd and alias checks are not
+        needed (~15 us a call). A one-op region is a closure: no code to generate (130 at a 1B model's warm start)."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         op, *picks, output = list(gm.graph.nodes)[len(placeholders):]
         if op.target in _IMPLEMENTATIONS and not op.kwargs and isinstance(output.args[0], tuple) and all(
@@ -248,8 +243,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return ("group_linears",) if self.group_linears else ()
 
     def prepare(self, trace: Trace) -> tuple[Trace, list[tuple[str, str]]]:
-        """Swaps each linear TE can take for `pipeline_te::linear` (before autodiff), `x @ W` with W a
-        2-D parameter included; returns the new trace and (op, reason) for the ops it left alone."""
+        """Swaps linears TE takes (`x @ W` too, W a 2-D parameter) for `pipeline_te::linear`; (op, why) for the rest."""
         gm, notes = trace.editable(), []
         specs = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], trace.inputs))  # what each input is
         rewrite(gm.graph, [(MATMUL, lambda m: self._matmul_as_linear(m, notes), lambda m: _by_weight(m, specs))])
@@ -304,8 +298,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
                     self.scaling.allocate(device)
 
     def _matmul_as_linear(self, m: Match, notes: list) -> None:
-        """`x @ W` becomes `linear(x, W.t().contiguous())` where TE can take that linear, so TE runs it
-        like a linear layer; the transposed copy of W is part of the graph and its gradient flows back."""
+        """`x @ W` as `linear(x, W.t().contiguous())` where TE takes it; the copy is a graph op: W gets its gradient."""
         node, graph, wv = m.root, m.root.graph, m.value("w")
         k, n = wv.shape
         with graph.inserting_before(node):

@@ -87,9 +87,8 @@ class DelayedScalingState:
         self.names: dict[str, int] = {}            # linear name (its weight's qualname) -> index
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded before the linear was compiled
         self.ran: set[int] = set()                 # indices of linears that ran (state worth saving)
-        self.handle = next(_ids)
+        self.handle, self.warned = next(_ids), False  # warned: once, of loaded state matching no linear
         _STATES[self.handle] = self
-        self.warned = False
 
     def register(self, name: str) -> int:
         """The index of the linear named `name` (a weight used by several linears shares its state)."""
@@ -172,11 +171,10 @@ class DelayedScalingState:
                           f"first member: load a checkpoint with the te.options(group_linears=...) it was saved with")
         out = dict(self.pending)
         for name, i in self.names.items():
-            if i not in self.ran:  # registered, not run yet
-                continue
-            (fh, fs), (bh, bs) = self.forward.view(2 * i, 2), self.backward.view(i, 1)
-            out[name] = {"fp8_scale": torch.cat([fs, bs]).clone(),
-                         "fp8_amax_history": torch.cat([fh, bh], dim=1).clone()}
+            if i in self.ran:  # one registered but not run yet has nothing to save
+                (fh, fs), (bh, bs) = self.forward.view(2 * i, 2), self.backward.view(i, 1)
+                out[name] = {"fp8_scale": torch.cat([fs, bs]).clone(),
+                             "fp8_amax_history": torch.cat([fh, bh], dim=1).clone()}
         return out
 
     def load(self, name: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -16,8 +16,7 @@ class TorchExecutor(RebuiltFromGraph):
         return True
 
     def compile_region(self, gm: fx.GraphModule, example_inputs: Sequence):
-        """`gm.forward`; where an op's fake strides are known to be unreliable, its region's outputs are
-        copied into the strides the trace promised (other executors compiled against those)."""
+        """`gm.forward`; with ops of unreliable fake strides, outputs copied into the strides promised other regions."""
         if not any(meta_strides_unreliable(n) for n in gm.graph.nodes):
             return gm.forward
         promised = promised_strides(gm)

@@ -69,8 +69,7 @@ class Step:
 
 
 class Trace:
-    """An immutable functional program: a graph module plus input/output specs and provenance.
-    `stage` says which program of the pipeline it is (`Stage`; None for a trace made outside it)."""
+    """An immutable program: graph module, input/output specs, provenance, `stage` (None: made outside the pipeline)."""
 
     __slots__ = ("_gm", "name", "level", "stage", "inputs", "outputs", "provenance")
 
@@ -165,10 +164,9 @@ def output_ancestors(gm: fx.GraphModule, count: int) -> set[fx.Node]:
 def fake_like(like: torch.Tensor, shape, *, stride=None, dtype=None, device=None) -> torch.Tensor:
     """The metadata a pass sets on a node it creates: an empty tensor of `shape` (and `stride`) in the fake
     mode of `like` (a meta tensor when it is not fake), with `like`'s dtype and device unless given."""
-    dtype = like.dtype if dtype is None else dtype
+    dtype, device = like.dtype if dtype is None else dtype, like.device if device is None else device
     if (mode := getattr(like, "fake_mode", None)) is None:
         return torch.empty(tuple(shape), dtype=dtype, device="meta")
-    device = like.device if device is None else device
     with mode:
         if stride is None:
             return torch.empty(tuple(shape), dtype=dtype, device=device)

@@ -1,6 +1,5 @@
-"""Type checking of traces, as JAX's `check_jaxpr` re-derives every equation: each node's value re-derived
-with fake tensors and compared with the metadata the trace claims, and a pass's outputs compared with
-those of the trace it was given (docs/passes.md, "What is checked"); after a pass, only the nodes it changed."""
+"""Type checking of traces, as JAX's `check_jaxpr`: each node's value re-derived with fake tensors and compared with
+the trace's claim, a pass's outputs with its input trace's (docs/passes.md); after a pass, only the nodes it changed."""
 
 from typing import Any, Optional
 
@@ -96,8 +95,7 @@ def _key(node: fx.Node):
 
 
 def refresh_values(changed: list[fx.Node]) -> None:
-    """Sets `meta["val"]` again on every node downstream of `changed` whose value its op now computes
-    differently: for passes that change what feeds existing nodes (e.g. to a strided slice)."""
+    """Sets `meta["val"]` again downstream of `changed` where an op now computes another value (its inputs changed)."""
     if not changed:
         return
     dirty = set(changed)

@@ -10,8 +10,7 @@ class TraceError(ValueError):
 
 
 def verify(trace: Trace) -> Trace:
-    """Checks that `trace` is topologically ordered, every value has metadata, every use refers to a
-    node of this graph, and the specs match the placeholders and outputs. Returns the trace."""
+    """Returns `trace`, checked: topologically ordered, values with metadata, uses of its own nodes, specs matching."""
     where = f"trace {trace.name!r}"
     try:
         trace.graph.lint()

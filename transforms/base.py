@@ -31,14 +31,11 @@ class TracePass:
 
 def trace_pass(fn: Callable | None = None, *, runs_on: str = "after_autodiff", name: str = ""):
     """Makes a `TracePass`; usable as `@trace_pass` or `@trace_pass(runs_on="before_autodiff")`."""
-    if fn is None:
-        return lambda f: TracePass(f, runs_on, name)
-    return TracePass(fn, runs_on, name)
+    return (lambda f: TracePass(f, runs_on, name)) if fn is None else TracePass(fn, runs_on, name)
 
 
 def pass_factory(fn: Callable) -> Callable:
-    """Marks a function that returns a pass or transform (`mixed_precision`, `fsdp`): listing the
-    function itself in `transforms=[...]` is then an error naming it, not a pass that fails."""
+    """Marks a function making a pass or transform (`fsdp`): listed uncalled in `transforms`, it is a clear error."""
     fn.makes_pass = True
     return fn
 

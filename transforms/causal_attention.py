@@ -12,8 +12,7 @@ from ir.torch_ops import SDPA, SDPA_PARAMS, erase_unread, writes_into
 
 from .base import TracePass, pass_factory
 
-# SDPA given a mask node and no causal flag
-MASKED_ATTENTION = Call(
+MASKED_ATTENTION = Call(  # SDPA given a mask node and no causal flag
     SDPA, SDPA_PARAMS, query="query", key="key", attn_mask="mask", is_causal=lambda causal: not causal)
 
 # calls whose result can differ from call to call with no input changing: such a mask is no constant

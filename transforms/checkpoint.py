@@ -41,13 +41,9 @@ def checkpoint(policy: Union[str, Callable[[fx.Node], bool]] = "selective") -> T
 
     def apply(trace: Trace) -> Trace:
         gm = trace.editable()
-        for node in forward_ops(gm, trace):
-            if node.target is operator.getitem:
-                node.meta["recompute"] = node.args[0].meta.get("recompute")
-            elif is_random(node) or save(node):
-                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            else:
-                node.meta["recompute"] = recompute
+        for node in forward_ops(gm, trace):  # a tuple's element as its op; random draws saved: recomputed, they differ
+            node.meta["recompute"] = (node.args[0].meta.get("recompute") if node.target is operator.getitem
+                                      else CheckpointPolicy.MUST_SAVE if is_random(node) or save(node) else recompute)
         return trace.derive(gm, by=name)
 
     return TracePass(apply, runs_on="joint", name=name)

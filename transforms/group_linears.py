@@ -85,8 +85,7 @@ def _join(graph: fx.Graph, group: list[Match]) -> list[fx.Node]:
 
 
 def _views_allowed(node: fx.Node, piece) -> bool:
-    """Whether every `.view(...)` of the linear's output is also possible on `piece`, a slice of the
-    stacked output (merging its last dim with another, say, is not)."""
+    """Whether each `.view(...)` of the linear's output works on `piece`, a slice of the stacked output (not all do)."""
     for view in (m for user in node.users if (m := match(VIEW, user))):
         args = [node_value(a) if isinstance(a, fx.Node) else a for a in view["shape"] or ()]
         try:

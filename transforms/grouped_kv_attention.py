@@ -35,8 +35,7 @@ def _repeated(x: str) -> Either:
             | Call(("reshape", "view"), ("input", "*shape"), x + "_repeat", input=expanded))
 
 
-# SDPA on repeated k and v, not yet grouped, with no mask (no fused kernel takes grouped k/v and a mask)
-ATTENTION_ON_REPEATS = Call(
+ATTENTION_ON_REPEATS = Call(  # SDPA on repeated k, v and no mask (no fused kernel takes grouped k/v and a mask)
     SDPA, SDPA_PARAMS, query="q", key=_repeated("k"), value=_repeated("v"), enable_gqa=lambda gqa: not gqa, attn_mask=lambda mask: mask is None)
 
 
@@ -65,9 +64,8 @@ def _read_grouped(m: Match) -> None:
 
 
 def _can_win(m: Match, devices, order, writes) -> bool:
-    """Whether the attention `m` matched repeats k/v heads per group, in half precision on `devices`
-    (its inputs' dtype, or its output's under autocast: `mixed_precision` leaves q/k/v in fp32), and
-    nothing writes into the repeats or k/v before it reads them (the grouped k/v would then differ)."""
+    """Whether the attention `m` matched repeats k/v heads per group, in half precision (the inputs', or the output's
+    under autocast: `mixed_precision` keeps q/k/v fp32) on `devices`, nothing written into the repeats or k/v first."""
     nk, nv = _heads_repeated(m, "k"), _heads_repeated(m, "v")
     out, qv, kv, vv = node_value(m.root), m.value("q"), m.value("k"), m.value("v")
     first = min(order[n] for n in m.nodes[1:])
@@ -78,8 +76,7 @@ def _can_win(m: Match, devices, order, writes) -> bool:
 
 
 def _heads_repeated(m: Match, x: str) -> Optional[int]:
-    """n, when the repeat bound under `x` repeats each head of the 4-D [batch, heads, seq, head_dim]
-    tensor `x` n times consecutively (an int n); else None."""
+    """The int n when the repeat under `x` repeats each head of 4-D `x` [b, h, s, d] n times in a row, else None."""
     src, u, e, r = (m.value(x + s) for s in ("", "_new_axis", "_expanded", "_repeat"))
     if not isinstance(src, torch.Tensor) or src.dim() != 4:
         return None

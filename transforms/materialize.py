@@ -53,8 +53,7 @@ class Materialize:
 
 
 def load_tensors(model: torch.nn.Module, path: str, skip: frozenset = frozenset()) -> None:
-    """Copies each parameter and persistent buffer from the safetensors file, reading tensor by tensor;
-    `skip`: keys a model transform already read (they still count as matched)."""
+    """Copies each parameter and persistent buffer from the safetensors file, one by one; `skip`: keys read, matched."""
     from safetensors import safe_open
 
     everything = model.state_dict(keep_vars=True)

@@ -37,15 +37,14 @@ def shift_labels_in(trace: Trace) -> Trace:
 
 
 def _drops_each_rows_last(m: Match) -> bool:
-    """[B, S, V] logits less position S-1 (static sizes), flattened to rows that only the loss reads; labels: B*(S-1)
-    class indices (probabilities have no `ignore_index`)."""
+    """[B, S, V] static logits less position S-1, as rows only the loss reads; labels: B*(S-1) class indices."""
     logits, labels, rows = m.value("logits"), m.value("labels"), m.value("rows")
     if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and all(isinstance(n, int) for n in logits.shape)):
         return False
     b, s, v = logits.shape
     only_the_loss_reads = all(len(m[k].users) == 1 for k in ("shifted", "copy", "rows") if k in m)
     return (s > 1 and _drops_last_position(m["index"], s) and tuple(rows.shape) == (b * (s - 1), v)
-            and isinstance(labels, torch.Tensor) and not labels.is_floating_point()
+            and isinstance(labels, torch.Tensor) and not labels.is_floating_point()  # probabilities: no ignore_index
             and tuple(labels.shape) == (b * (s - 1),) and only_the_loss_reads)
 
 
