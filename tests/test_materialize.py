@@ -30,6 +30,39 @@ def test_meta_model_is_initialised_by_its_own_init_code():
         assert torch.isfinite(cm(torch.randint(0, 256, (2, 16)))).all()
 
 
+class TiedEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return torch.nn.functional.cross_entropy(self.head(self.embed(tokens)).flatten(0, 1), tokens.flatten())
+
+
+@pytest.mark.parametrize("from_file", [False, True])
+def test_tied_weights_stay_tied(tmp_path, from_file):
+    """They became two parameters (and trained apart from eager's one), with the file's values or initialised."""
+    torch.manual_seed(0)
+    eager = TiedEmbedding()
+    path = str(tmp_path / "tied.safetensors")
+    save_file({k: v.detach().clone() for k, v in eager.state_dict().items()}, path)
+    with torch.device("meta"):
+        model = TiedEmbedding()
+    cm = pipeline.jit(model, executors=["torch"], transforms=[materialize(path if from_file else None)])
+    assert model.head.weight is model.embed.weight and len(list(cm.parameters())) == 1
+    if not from_file:
+        return
+    steps = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, cm)]
+    tokens = torch.randint(0, 10, (2, 5))
+    for _ in range(3):
+        for m, optimizer in zip((eager, cm), steps):
+            m(tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.testing.assert_close(model.head.weight, eager.head.weight)
+
+
 def test_meta_model_loads_a_checkpoint_tensor_by_tensor(tmp_path):
     trained = Llama(LlamaConfig()).eval()
     path = str(tmp_path / "model.safetensors")

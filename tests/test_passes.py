@@ -89,6 +89,19 @@ def test_pass_that_mutates_its_input_is_an_error(mlp):
         cm(torch.randn(2, 16))
 
 
+@pytest.mark.parametrize("stage", ["before_autodiff", "joint", "after_autodiff"])
+def test_pass_that_reorders_inputs_is_an_error(mlp, stage):
+    """The caller passes arguments by position: two same-shaped inputs swapped ran on each other's values."""
+    @trace_pass(runs_on=stage)
+    def swap_first_two_inputs(trace):
+        gm = trace.editable()
+        gm.graph.find_nodes(op="placeholder")[0].prepend(gm.graph.find_nodes(op="placeholder")[1])
+        return trace.derive(gm, by="swap")
+    cm = pipeline.jit(mlp, executors=["torch"], transforms=[swap_first_two_inputs])
+    with pytest.raises(pipeline.PassError, match="reordered or renamed the inputs"):
+        cm(torch.randn(2, 16)).sum().backward()
+
+
 def test_pass_that_returns_no_trace_is_an_error(mlp):
     cm = pipeline.jit(mlp, executors=["torch"], transforms=[lambda t: t.module])
     with pytest.raises(pipeline.PassError, match="returned GraphModule, not a Trace"):

@@ -95,6 +95,18 @@ def test_a_bf16_row_grown_by_less_than_bf16_noise_is_not_clipped_either():
     assert abs(cm.state_dict()["0.weight"][0, 0].item() - edited[0, 0].item()) <= (1 + 2 ** -7) / 127 / 2
 
 
+@pytest.mark.parametrize("factor", [0.1, 0.002])
+def test_a_weight_loaded_smaller_than_its_saved_scale_gets_its_own_scale(factor):
+    """A row whose values shrank (rescaled, fine-tuned) kept its old, coarser scale: at 0.002 every weight became 0."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    state = cm.state_dict()
+    smaller = state["0.weight"] * factor
+    cm.load_state_dict({**state, "0.weight": smaller})
+    assert relative_error(cm.state_dict()["0.weight"], smaller) < 0.01
+
+
 def test_state_dict_keys_are_the_originals_plus_one_scale_per_linear(llama_and_tokens):
     model, _ = llama_and_tokens
     original = set(model.state_dict())

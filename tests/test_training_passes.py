@@ -66,6 +66,36 @@ def test_mixed_precision_llama_matches_eager_autocast_within_bf16_tolerance():
     assert "_enter_autocast" in str(trace_named(cm, "g0_captured", "mixed_precision(bf16)"))
 
 
+class AutocastOffInside(nn.Module):
+    """As Hugging Face's rotary embedding does under autocast: a region that turns autocast off, in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            h = self.fc(x.float()).sin()
+        return self.out(h)
+
+
+def test_an_autocast_region_in_forward_compiles_and_matches_eager():
+    """Dynamo records its `_enter_autocast` (a context, no value): the verifier sent the whole graph to eager."""
+    torch.manual_seed(0)
+    model, x = AutocastOffInside(), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["torch"], fallback="raise")
+    outs = []
+    for run in (cm, eager):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(run(x))
+        outs[-1].float().square().sum().backward()
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0], outs[1])
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1.6e-2, atol=1e-2)  # bf16 matmuls in the backward
+
+
 def test_mixed_precision_rejects_unknown_dtype():
     with pytest.raises(ValueError, match="dtype must be one of"):
         mixed_precision("int4")

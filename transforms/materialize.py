@@ -38,8 +38,9 @@ class Materialize:
         # What reset_parameters() must set (with a checkpoint: only what the file cannot hold) starts poisoned.
         owed = [(prefix, m, name) for prefix, m in needs_init for name, t in _own_tensors(m)
                 if t.is_meta and (self.checkpoint is None or name in m._non_persistent_buffers_set)]
+        made: dict[int, tuple] = {}  # id(meta tensor) -> (it, its real tensor): tied weights stay tied
         for _, module in on_meta:
-            _to_empty_meta_only(module, self.device)
+            _to_empty_meta_only(module, self.device, made)
         with torch.no_grad():
             owed = [(prefix, m, name, _poison(getattr(m, name))) for prefix, m, name in owed]
             for _, module in needs_init:
@@ -108,13 +109,17 @@ def _own_tensors(module: torch.nn.Module) -> list:
     return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
 
 
-def _to_empty_meta_only(module: torch.nn.Module, device) -> None:
-    """Like `module.to_empty(recurse=False)`, but only for tensors still on the meta device."""
-    for name, t in _own_tensors(module):
-        if t.is_meta and isinstance(t, torch.nn.Parameter):
-            setattr(module, name, torch.nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad))
-        elif t.is_meta:
-            module._buffers[name] = torch.empty_like(t, device=device)
+def _to_empty_meta_only(module: torch.nn.Module, device, made: dict) -> None:
+    """Like `module.to_empty(recurse=False)`, but only for tensors still on the meta device; one shared by several
+    modules (tied weights) becomes one real tensor (`made`)."""
+    for name, t in (item for item in _own_tensors(module) if item[1].is_meta):
+        if id(t) not in made:
+            real = torch.empty_like(t, device=device)
+            made[id(t)] = t, torch.nn.Parameter(real, t.requires_grad) if isinstance(t, torch.nn.Parameter) else real
+        if isinstance(t, torch.nn.Parameter):
+            setattr(module, name, made[id(t)][1])
+        else:
+            module._buffers[name] = made[id(t)][1]
 
 
 def _poison(t: torch.Tensor) -> tuple:

@@ -12,8 +12,8 @@ from ir.rewrite import add_call
 from .base import pass_factory
 from .model_transform import ModelTransform
 
-# dtype, largest value, and how far past it a value may land and still round to it (half a step: 1 for int8, 32 at
-# e4m3's top): a loaded scale stays unless the row would clip by more than that
+# dtype, largest value, and how far from it a value may land and still round to it (half a step: 1 for int8, 32 at
+# e4m3's top): a loaded scale stays unless the row's largest value moved by more than that
 _FORMATS = {"int8": (torch.int8, 127.0, 0.5), "fp8": (torch.float8_e4m3fn, 448.0, 16.0)}
 
 
@@ -38,9 +38,9 @@ class WeightOnlyQuantization(ModelTransform):
     def encode(self, value, like: Optional[dict[str, torch.Tensor]] = None):
         value = value.detach().float()
         scale = value.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / self.qmax
-        if like is not None:  # the loaded scale stays (bit-identical round trips) unless a row outgrew it (edited)
-            old = like["scale"].to(scale)
-            scale = torch.where(scale * self.qmax <= old * (self.qmax + self.rounding), old, scale)
+        if like is not None:  # the loaded scale stays (bit-identical round trips) unless the row's largest value moved
+            old = like["scale"].to(scale)  # by more than rounding explains: edited, it gets its own scale
+            scale = torch.where((scale - old).abs() * self.qmax <= old * self.rounding, old, scale)
         scaled = value / scale
         q = (scaled.round() if self.dtype is torch.int8 else scaled).clamp(-self.qmax, self.qmax).to(self.dtype)
         return {"q": q, "scale": scale.to(torch.float32)}
