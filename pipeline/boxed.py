@@ -31,8 +31,7 @@ def boxed(gm: fx.GraphModule, stored: Optional[tuple] = None):
         graph.call_method("clear", (args_list,))
         graph.output(graph.graph_copy(gm.graph, value_map))
         _region_calls_boxed(gm, graph)
-        code = graph.python_code(root_module="self")
-        src, names = code.src, code.globals
+        src, names = (code := graph.python_code(root_module="self")).src, code.globals
     fn = types.MethodType(_forward_from_src(src, names), gm)  # `self.<region>`: gm's own submodules
     if all(_FX_GLOBALS.get(k, getattr(builtins, k, None)) is v for k, v in names.items()):
         gm.meta["boxed_code"] = (shape, src)  # names nothing but builtins: it can be stored
@@ -61,14 +60,13 @@ def _single_region(gm: fx.GraphModule):
     """For a stage that is one region call (placeholders -> the call -> its outputs), a runner handing the argument
     list straight to it: no frame of ours holds the inputs while it runs (as under torch.compile). Else None."""
     nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
     calls = [n for n in nodes if n.op == "call_module"]
     rest = [n for n in nodes if n.op not in ("placeholder", "call_module", "output")]
     if len(calls) != 1 or any(n.target is not operator.getitem or n.args[0] is not calls[0] for n in rest):
         return None
     if not hasattr(region := gm.get_submodule(calls[0].target), "call_boxed") or calls[0].kwargs:
         return None
-    position = {n: i for i, n in enumerate(placeholders)}
+    position = {n: i for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
 
     def source(a):  # ("input", index) | ("output", index) | ("constant", value)
         if isinstance(a, fx.Node):

@@ -35,8 +35,7 @@ class Uncacheable(Exception):
 
 
 def uncached(pass_or_fn):
-    """Marks a trace pass (or the function it wraps) as not cacheable: graphs it runs on are always
-    compiled. `@trace_pass` then `@uncached`, or `uncached(my_pass)`."""
+    """Marks a pass (or its function) uncacheable: graphs it runs on always compile. `@trace_pass` then `@uncached`."""
     object.__setattr__(pass_or_fn, "cacheable", False)
     return pass_or_fn
 
@@ -122,8 +121,7 @@ def lowering_config() -> str:
 @functools.cache
 def pipeline_source_hash() -> str:
     """SHA-256 over the source files of the pipeline's packages, read once per process."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest = hashlib.sha256()
+    root, digest = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), hashlib.sha256()
     for package in ("ir", "executors", "pipeline", "transforms"):
         for path in sorted(pathlib.Path(root, package).rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
@@ -281,8 +279,7 @@ def write_entry(key: str, entry: dict, root: Optional[str] = None) -> None:
     root = root or cache_root()
     secret, path = trusted_key(root), entry_path(key, root)
     cache_files.private_dir(os.path.dirname(path))
-    payload = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
-    cache_files.write_file(path, cache_files.seal(secret, key, payload, MAGIC))
+    cache_files.write_file(path, cache_files.seal(secret, key, pickle.dumps(entry, pickle.HIGHEST_PROTOCOL), MAGIC))
 
 
 # -- one graph's entry while it compiles ----------------------------------------------------------
@@ -337,8 +334,7 @@ class GraphCache:
         return self.entry["artifacts"]
 
     def wrappers_done(self, metadata: list) -> None:
-        """Records the runtime wrappers' metadata (known once every stage AOTAutograd compiles
-        eagerly is done); a hit whose wrappers differ is a miss. Writes the entry."""
+        """Notes the wrappers' metadata (known once eager stages are compiled; differing: a miss); writes the entry."""
         if self.stored is not None and self.stored.get("wrappers") not in (None, metadata):
             self._miss("runtime wrappers differ from the cached ones")
         self.entry["wrappers"] = metadata
@@ -351,8 +347,7 @@ class GraphCache:
         self.record.seconds["cache"] += seconds
 
     def stage_done(self, stage: str, lowered_fingerprint: str, execution, executed) -> None:
-        """After a stage's dispatch: checks it against the stored entry; a stage compiled after
-        the wrappers (a lazily compiled backward) writes the entry again."""
+        """After a stage's dispatch: checked against the stored entry; rewritten when after the wrappers (lazily)."""
         start = time.perf_counter()
         before = (self.stored or {}).get("stages", {}).get(stage)
         if before is not None and before["lowered"] != lowered_fingerprint:

@@ -18,8 +18,7 @@ SECRET_NAME = "secret.key"
 
 
 def private_dir(path: str, what: str = "cache directory") -> str:
-    """`path` as a directory only this user can write: made 0700 if absent (parents too), checked
-    otherwise (no symlink, ours, not group/other-writable). Raises `Untrusted`."""
+    """`path` as a dir only this user writes: made 0700 (parents too) if absent, else checked. Raises `Untrusted`."""
     try:
         os.mkdir(path, 0o700)
     except FileNotFoundError:

@@ -78,8 +78,7 @@ def load_full(path: str) -> dict[str, torch.Tensor]:
 
 
 class Checkpoint(contextlib.ExitStack):
-    """The tensors `save` wrote, by key, each whole in one file or as row parts over rank files;
-    `read(key, start, stop)` reads only those rows, through safetensors' lazy slices."""
+    """The tensors `save` wrote, whole in a file or as row parts over rank files; `read(key, start, stop)` gets rows."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -141,8 +140,7 @@ def _unsharded_state(cm, sharded) -> dict:
 def _save_optimizer(cm, optimizer, tensors, rows) -> str:
     state = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    param_rows = _param_rows(cm)
-    scalars: dict[str, dict[str, object]] = {}
+    param_rows, scalars = _param_rows(cm), {}
     for index, entries in state["state"].items():
         held = param_rows.get(id(params[index]))
         for name, value in entries.items():
@@ -164,12 +162,10 @@ def _save_optimizer(cm, optimizer, tensors, rows) -> str:
 
 def _load_optimizer(cm, optimizer, ckpt: Checkpoint, saved) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    param_rows = _param_rows(cm)
-    state: dict[int, dict] = {}
+    param_rows, state = _param_rows(cm), {}
     for key in (k for k in ckpt.keys() if k.startswith(OPTIMIZER)):
         index, name = key[len(OPTIMIZER):].split(".", 1)
-        param = params[int(index)]
-        held = param_rows.get(id(param))
+        held = param_rows.get(id(param := params[int(index)]))
         value = ckpt.read(key, *held) if held is not None else ckpt.read(key)
         if held is not None and value.dim() == param.dim() and value.shape[0] < param.shape[0]:  # pad the shard
             value = torch.cat([value, value.new_zeros((param.shape[0] - value.shape[0], *value.shape[1:]))])

@@ -1,6 +1,5 @@
-"""The Dynamo backend: for each captured graph, capture → runtime wrappers' pre_compile → passes → lowering and
-autodiff (AOTAutograd; joint passes before its partitioner) → passes → dispatch to the executors (cached regions
-loaded) → wrappers' post_compile. Each stage's output is an `ir.Trace` in the graph's `GraphRecord`."""
+"""The Dynamo backend, per captured graph: capture → wrappers' pre_compile → passes → lowering, autodiff (AOTAutograd;
+joint passes before its partitioner) → passes → executors (cached regions loaded) → wrappers' post_compile."""
 
 import contextlib
 import functools
@@ -52,8 +51,7 @@ def _executor_passes(executor, trace: Trace) -> Trace:
 
 
 class PassError(RuntimeError):
-    """A trace pass misbehaved: it raised, returned something else than a Trace, edited its input,
-    or returned a trace whose metadata or outputs are not what its ops compute."""
+    """A trace pass raised, returned no Trace, edited its input, or returned a trace its ops do not compute."""
 
 
 _gc_frozen = [False]  # by `old_objects_frozen`: a nested block then skips `get_freeze_count`'s O(heap) walk
@@ -167,8 +165,7 @@ class PipelineBackend:
                 partition_fn=functools.partial(self._partition, record=record, captured=trace),
                 decompositions={op: fn for ex in state.config.executors
                                 for op, fn in ex.decompositions_before_partition().items()})
-        inner = sum(record.seconds.values()) - inner_before
-        record.seconds["lower"] += time.perf_counter() - start - inner
+        record.seconds["lower"] += time.perf_counter() - start - (sum(record.seconds.values()) - inner_before)
         if cache is not None:
             cache.wrappers_done(wrapper_metadata(wrappers))
         return post_compile_all(wrappers, compiled)
@@ -229,17 +226,15 @@ class PipelineBackend:
             log.info("%s: warm start failed: %s", record.graph_id, e, exc_info=True)
             del record.regions[kept_regions:], record.traces[kept_traces:]
             return None
-        inner = sum(record.seconds.values()) - inner_before
-        record.seconds["cache"] += time.perf_counter() - start - inner
+        record.seconds["cache"] += time.perf_counter() - start - (sum(record.seconds.values()) - inner_before)
         cache.entry["aot"] = stored["aot"]
         cache.wrappers_done(wrappers)
         log.info("%s: warm start: loaded without lowering", record.graph_id)
         return compiled
 
     def _load_stage(self, code: StageCode, *, record: GraphRecord, cache) -> Callable:
-        example_inputs = [n.meta.get("val") for n in code.executed.placeholders()]
-        return self._execute(code.stage, code.executed, [], example_inputs, record=record, cache=cache,
-                             lowered=code.lowered, loaded=code)[0]
+        return self._execute(code.stage, code.executed, [], [n.meta.get("val") for n in code.executed.placeholders()],
+                             record=record, cache=cache, lowered=code.lowered, loaded=code)[0]
 
     def _records_warm_start(self, cache, trace: Trace, example_inputs, record: GraphRecord) -> bool:
         """Whether AOTAutograd's own entry for this graph is stored in ours while it lowers."""
@@ -268,8 +263,7 @@ class PipelineBackend:
     def _lower_stage(self, stage: str, gm: fx.GraphModule, example_inputs, *, record: GraphRecord,
                      captured: Trace, cache: GraphCache | None, serializable: bool = False):
         """AOTAutograd's compiler hook for the forward, backward or inference graph."""
-        ctx = TracingContext.try_get()
-        meta = getattr(ctx, "fw_metadata", None) if ctx else None
+        meta = getattr(TracingContext.try_get(), "fw_metadata", None)
         trace = Trace(gm, name=f"{record.graph_id}_{stage}", level="aten", stage=Stage(stage),
                       inputs=lowered_input_specs(gm, captured.inputs, stage),
                       outputs=lowered_output_specs(gm, captured.inputs, stage, meta),
@@ -332,9 +326,8 @@ class PipelineBackend:
 
     def _run_passes(self, where: str, trace: Trace, record: GraphRecord, first=()) -> Trace:
         for p in (*first, *self.state.config.passes):
-            if p.runs_on == where:
-                out = run_pass(p, trace, record)
-                trace = trace if out is trace else record.add_trace(out)
+            if p.runs_on == where and (out := run_pass(p, trace, record)) is not trace:
+                trace = record.add_trace(out)
         return trace
 
 
@@ -375,8 +368,7 @@ def run_pass(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
 
 
 def _run_checked(p: TracePass, trace: Trace, record: GraphRecord) -> Trace:
-    before = structure(trace)
-    start = time.perf_counter()
+    before, start = structure(trace), time.perf_counter()
     try:
         out = p(trace)
     except PassError:

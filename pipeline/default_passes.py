@@ -27,9 +27,7 @@ def save_policy(trace: Trace) -> Trace:
 
 def default_passes() -> list[TracePass]:
     """The pipeline's own passes, in the order they run."""
-    return [dataclasses.replace(causal_attention(), optional=True),
-            dataclasses.replace(grouped_kv_attention(), optional=True),
-            dataclasses.replace(shift_labels(), optional=True),
+    return [*(dataclasses.replace(p(), optional=True) for p in (causal_attention, grouped_kv_attention, shift_labels)),
             TracePass(save_policy, runs_on="joint", name="save_policy", optional=True)]
 
 

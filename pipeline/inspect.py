@@ -1,5 +1,4 @@
-"""Inspection: which executor ran which ops (`regions`), every stage's trace (`last_traces`),
-where compile time went (`compile_stats`), and graph breaks before compiling (`explain`)."""
+"""Inspection: which executor ran what (`regions`), each stage's trace (`last_traces`), `compile_stats`, `explain`."""
 
 import dataclasses
 from collections import Counter, defaultdict
@@ -107,18 +106,15 @@ class CompileStats:
         lines += [f"{g}: cache {status}" for g, status in self.cache.items() if status.startswith("off")]
         lines += [f"{g}: cache: {note}" for g, note in self.cache_notes]
         lines += [f"{g}: CUDA graph {status}" for g, status in self.cuda_graphs.items()]
-        if self.decomposed:
-            lines.append("decomposed: " + ", ".join(f"{k}×{v}" for k, v in self.decomposed.items()))
+        lines += ["decomposed: " + ", ".join(f"{k}×{v}" for k, v in self.decomposed.items())] if self.decomposed else []
         return "\n".join(lines)
 
 
 def compile_stats(cm) -> CompileStats:
     history = _state(cm).history
     seconds: dict[str, float] = defaultdict(float, capture=history.capture_seconds)
-    for rec in history.records:
-        for k, v in rec.seconds.items():
-            if k != "total":
-                seconds[k] += v
+    for k, v in ((k, v) for rec in history.records for k, v in rec.seconds.items() if k != "total"):
+        seconds[k] += v
     return CompileStats(
         graphs=len(history.records), graph_breaks=list(history.graph_breaks), recompilations=history.recompiles,
         seconds=dict(seconds), recompile_reasons=[r.recompile_reason for r in history.records if r.recompile_reason],

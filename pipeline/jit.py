@@ -1,5 +1,4 @@
-"""`pipeline.jit`: compiles a module or function through the pipeline; the result behaves like what it
-wraps (`JittedModule`, `JittedFunction`), and calling it runs the compiled graphs."""
+"""`pipeline.jit`: compiles a module or function; the result (`JittedModule`, `JittedFunction`) behaves like it."""
 
 import collections
 import copy
@@ -82,12 +81,10 @@ def jit(model_or_fn: Callable, *, executors: Sequence = ("inductor",), transform
     fullgraph: raise `GraphBreakError` instead of splitting the graph at a graph break.
     dynamic: as in `torch.compile` (None: Dynamo's automatic dynamic shapes).
     cache: look up and store compiled artifacts on disk (`PIPELINE_CACHE_DIR`; `PIPELINE_CACHE=0`: off everywhere).
-    cuda_graphs: record each compiled stage (forward, backward) as one CUDA graph and replay it (cuda_graphs.py). As
-        with torch.compile's mode="reduce-overhead", the next step overwrites a step's outputs: keep a value across
-        steps with `.item()` or `.clone()`. Each input shape records its own graphs (`dynamic` defaults to False).
+    cuda_graphs: record each stage as a CUDA graph and replay it, per input shape (`dynamic` defaults to False); as with
+        mode="reduce-overhead", the next step overwrites a step's outputs: keep them with `.item()` or `.clone()`.
     fallback: "warn" (default) or "raise": what a fallback (pipeline/fallbacks.py) does.
-    autotune: a region more than one listed executor can take whole runs on the fastest, timed at its
-        first call (executors/autotune.py); the times are in the region table.
+    autotune: a region several listed executors take whole runs on the fastest, timed at its first call (`regions`).
     """
     if not callable(model_or_fn):
         raise TypeError(f"pipeline.jit needs an nn.Module or a function, got {type(model_or_fn).__name__}")
@@ -128,9 +125,8 @@ def _runner(model_or_fn, state: CompileState):
     """What compiles and runs it. Each has its own backend object, which Dynamo's guards tell apart."""
     if differentiates_inside(model_or_fn):  # Dynamo would break the graph at autograd.grad
         return GradCapture(model_or_fn, state)
-    config = state.config
-    return torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=config.fullgraph,
-                         dynamic=config.dynamic, **_own_recompile_budget())
+    return torch.compile(model_or_fn, backend=PipelineBackend(state), fullgraph=state.config.fullgraph,
+                         dynamic=state.config.dynamic, **_own_recompile_budget())
 
 
 def _own_recompile_budget() -> dict:
@@ -334,15 +330,13 @@ class JittedModule(torch.nn.Module):
         return self
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """The parameters the compiled code runs on: the original's, except those a model transform
-        replaced, which appear as their new tensors (`fc.weight.q`, `fc.weight.scale`)."""
+        """The compiled code's parameters: the original's, each replaced one as its new tensors (`fc.weight.q`, ...)."""
         replaced = self._state.config.replaced
         for name, param in self._original.named_parameters(recurse=recurse, remove_duplicate=remove_duplicate):
-            if name in replaced:
-                for suffix, tensor in replaced[name].tensors.items():
-                    yield prefix + f"{name}.{suffix}", tensor
-            else:
+            if name not in replaced:
                 yield prefix + name, param
+            else:
+                yield from ((prefix + f"{name}.{suffix}", t) for suffix, t in replaced[name].tensors.items())
 
     def _apply(self, fn, recurse=True):
         """`.to()`, `.cuda()`, `.double()`, ... also reach the tensors model transforms own."""
@@ -374,8 +368,7 @@ class JittedModule(torch.nn.Module):
                         "cm.state_dict() or pipeline.save(cm, path), and jit the model again where it is loaded")
 
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The original model's state dict (keys and full shapes), whatever transforms did; under `prefix` (a parent
-        module's state dict holding this one) and into `destination` as torch's."""
+        """The original's state dict (keys, full shapes) whatever transforms did; `prefix`, `destination` as torch's."""
         config = self._state.config
         own = model_state.state_dict(self._original.state_dict(keep_vars=keep_vars), config.replaced, config.executors)
         out = destination if destination is not None else collections.OrderedDict()

@@ -124,10 +124,8 @@ class _ReadAs:
 
 
 def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
-    """The captured trace with each replaced parameter's placeholder swapped for the new tensors'
-    placeholders and the ops rebuilding it; returns (trace, example inputs)."""
-    gm = trace.editable()
-    graph = gm.graph
+    """The trace reading the new tensors and ops rebuilding each replaced parameter; returns (trace, example inputs)."""
+    graph = (gm := trace.editable()).graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fake_mode = next((node_value(n).fake_mode for n in placeholders if hasattr(node_value(n), "fake_mode")), None)
     specs, inputs, rebuild = [], [], []
@@ -167,8 +165,7 @@ def state_dict(original_state: dict, replaced: dict[str, Replaced], executors=()
         if qualname in out:
             out[qualname] = r.transform.decode(r.tensors, r.original).to(r.original.dtype)
             extra = r.transform.extra_state(r.tensors, r.original)
-            for suffix, key in r.extra_keys().items():
-                out[key] = extra[suffix].detach().clone()
+            out.update((key, extra[suffix].detach().clone()) for suffix, key in r.extra_keys().items())
     for executor in executors:
         out.update(executor.extra_state())
     return out

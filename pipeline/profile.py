@@ -32,8 +32,7 @@ class ProfileTable(list):
 
 
 def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None, **kwargs) -> ProfileTable:
-    """Runs `cm(*args, **kwargs)` once (and the backward of its output's sum when it requires grad
-    and `backward` is set) under the profiler; returns the time per region."""
+    """Profiles one `cm(*args, **kwargs)` (and its sum's backward, if `backward` and it needs grad): time per region."""
     cm(*args, **kwargs)  # compile first, so compilation is not profiled
     if recorded := [k for k, v in compile_stats(cm).cuda_graphs.items() if v == "on"]:
         raise ValueError(f"pipeline.profile times regions one by one, but this model replays CUDA graphs "

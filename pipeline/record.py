@@ -41,8 +41,7 @@ class GraphRecord:
 def dump(trace: Trace, index: int) -> str:
     """Writes the trace where `PIPELINE_DEBUG=1` keeps them: <`PIPELINE_DUMP_DIR` or ./pipeline_dump>/<pid>."""
     root = os.environ.get("PIPELINE_DUMP_DIR") or os.path.join(os.getcwd(), "pipeline_dump")
-    folder = os.path.join(root, str(os.getpid()))
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(folder := os.path.join(root, str(os.getpid())), exist_ok=True)
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", trace.name)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", trace.provenance[-1].name if trace.provenance else "trace").strip("_")
     path = os.path.join(folder, f"{safe}.{index:02d}.{slug}.py")

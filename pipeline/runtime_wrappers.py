@@ -40,11 +40,8 @@ class ModelTransformInputs(RuntimeWrapper):
     def post_compile(self, fn):
         plan = [None if q is None else self.replaced[q] for q in self.qualnames]
 
-        def run(*args):
-            flat = []
-            for a, r in zip(args, plan):  # `r.tensors` read at each call: loading a checkpoint may swap them
-                flat.extend((a,) if r is None else r.tensors.values())
-            return fn(*flat)
+        def run(*args):  # `r.tensors` read at each call: loading a checkpoint may swap them
+            return fn(*(t for a, r in zip(args, plan) for t in ((a,) if r is None else r.tensors.values())))
         return run
 
     def metadata(self) -> dict:

@@ -65,8 +65,7 @@ def _copies_cast(fp8: set) -> set:
 
 
 def _tag(joint: fx.GraphModule, num_fwd_outputs: int, nodes) -> int:
-    """Tags `nodes` but the forward's outputs for recomputation, unless the graph has
-    `torch.utils.checkpoint` regions (their boundaries are the user's choice); how many it tagged."""
+    """Tags `nodes` but forward outputs to recompute (none with checkpoint regions: the user's choice); how many."""
     if any("ac_graph_id" in n.meta for n in joint.graph.nodes):
         return 0
     returned = {a for a in joint.graph.output_node().args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}

@@ -14,15 +14,13 @@ from ir import InputKind, InputSpec, OutputKind, OutputSpec, Stage, node_value
 
 def captured_input_specs(gm: fx.GraphModule, example_inputs: Sequence,
                          owners: dict[int, tuple[str, str]]) -> list[InputSpec]:
-    """Specs of a Dynamo graph's inputs. `owners` maps id(tensor) -> (kind, qualified name) for the
-    module's parameters and buffers, which Dynamo passes as graph inputs."""
+    """Specs of a Dynamo graph's inputs; `owners`: id(tensor) -> (kind, qualname) of the module's parameters/buffers."""
     specs = []
     for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
         if isinstance(value, (int, torch.SymInt)):
             specs.append(InputSpec(InputKind.SYMINT, node.name))
-        elif id(value) in owners:
-            kind, qualname = owners[id(value)]
-            specs.append(InputSpec(kind, node.name, qualname))
+        elif (owner := owners.get(id(value))) is not None:  # (kind, qualified name)
+            specs.append(InputSpec(owner[0], node.name, owner[1]))
         else:
             specs.append(InputSpec(_kind_from_source(node), node.name, _source_name(node)))
     return specs

@@ -37,8 +37,7 @@ def loads(data: bytes) -> fx.GraphModule:
 class _StagePickler(GraphPickler):
     def __init__(self, file, options=None):
         super().__init__(file, options)
-        self._storage_ids: dict[StorageWeakRef, int] = {}
-        self._nodes_stored: set[fx.Node] = set()
+        self._storage_ids, self._nodes_stored = {}, set()  # StorageWeakRef -> id; the nodes pickled so far
 
     def reducer_override(self, obj):
         if isinstance(obj, fx.GraphModule):  # its graph, then every node in order, then what they name

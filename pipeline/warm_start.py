@@ -33,8 +33,7 @@ class StageCode(OutputCode):
         self._boxed_call = True  # an instance attribute: wrappers (functools.wraps) copy __dict__ only
         self.run, self.stage, self.executed, self.lowered = run, stage, executed, lowered
         self.assignment, self.why_not = assignment, why_not  # why_not: None, or why it is no CUDA graph
-        self._graph_bytes: Optional[bytes] = None  # set for pickling (prepare_for_serialization)
-        self._trace_fields: Optional[tuple] = None
+        self._graph_bytes, self._trace_fields = None, None  # set for pickling (prepare_for_serialization)
         self.boxed_code: Optional[tuple] = None  # the boxed stage's code (`boxed`), when it can be stored
 
     @torch._dynamo.disable(reason="a compiled stage: autograd may call the backward from a frame Dynamo captures")
