@@ -14,7 +14,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .cache import global_modes
+from .cache import _cell_filled, global_modes
 from .compiler import PipelineBackend
 from .fallbacks import report_fallback
 
@@ -199,14 +199,6 @@ class GradCapture:
             flat_args[i].requires_grad_(True)
         backend = PipelineBackend(self.state, level="aten", capture="capture (make_fx through autograd.grad)")
         return _Entry(backend(gm, inputs), out_spec[-1], list(rebound), grad_on)
-
-
-def _cell_filled(cell) -> bool:
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:
-        return False
 
 
 def _signature(v):
