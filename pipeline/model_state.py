@@ -60,6 +60,8 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
         stand_in.pipeline_replaced_by = param.pipeline_replaced_by = transform.name
     if replaced:
         _check_optimizers()
+        for module in {id(c[1]): c[1] for c in claimed.values()}.values():
+            module.register_forward_pre_hook(_refuse_stand_ins)
     if casts:
         warnings.warn(f"materialize: loading the checkpoint: {casts_message(casts)}", PipelineWarning, stacklevel=2)
     return replaced
@@ -68,6 +70,13 @@ def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
 @functools.cache
 def _check_optimizers():
     return register_optimizer_step_pre_hook(_refuse_stale_optimizer)
+
+
+def _refuse_stand_ins(module, args) -> None:
+    """The original module, called outside the jitted model, would compute with its stand-ins (zeros), silently."""
+    if not torch.compiler.is_compiling():
+        raise RuntimeError(f"this {type(module).__name__}'s parameters were replaced by a model transform and live in "
+                           f"the jitted model: call that (cm(...)), or jit a fresh copy of the original")
 
 
 def _refuse_stale_optimizer(optimizer, args, kwargs) -> None:

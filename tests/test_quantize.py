@@ -235,6 +235,17 @@ def small_mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3)).eval()
 
 
+def test_the_original_model_called_after_jit_is_refused_not_run_on_its_stand_ins():
+    """Its replaced parameters are zero stand-ins: `model(x)` (or a submodule of it) returned wrong values silently."""
+    model, x = small_mlp(), torch.randn(2, 8)
+    expected = model(x)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[quantize("int8")])
+    for call in (lambda: model(x), lambda: model[2](torch.randn(2, 6))):
+        with pytest.raises(RuntimeError, match="replaced by a model transform and live in the jitted model"):
+            call()
+    assert relative_error(cm(x), expected) < 0.02  # the jitted model still runs them
+
+
 def test_a_parameter_under_two_names_is_refused():
     """Tied weights or a shared submodule: replaced name by name they would come apart (one ran on a zero stand-in)."""
     model = small_mlp()
