@@ -419,11 +419,14 @@ def test_an_optimizer_over_replaced_parameters_is_refused_at_its_step():
 
 def test_an_optimizer_built_before_quantize_is_refused_too():
     """Eager training after `jit(model.eval(), transforms=[quantize()])` for evaluation: the model's linears are stand-ins
-    now, and the optimizer built before would train the rest around zero weights without a word."""
+    now, and the optimizer built before would train the rest around zero weights without a word. The eager forward
+    is refused too (it would compute with the stand-ins)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LayerNorm(4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pipeline.jit(model.eval(), executors=["torch"], transforms=[quantize()])(torch.randn(2, 4))
-    model.train()(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="replaced by a model transform and live in the jitted model"):
+        model.train()(torch.randn(2, 4))
+    model[2](torch.randn(2, 4)).sum().backward()  # the LayerNorm was not replaced: it runs, and would train
     with pytest.raises(RuntimeError, match=r"quantize\(int8\) replaced, which nothing trains"):
         opt.step()
 
