@@ -255,7 +255,8 @@ class PipelineBackend:
                           provenance=captured.provenance + (Step("lower (joint)"),))
             trace = self._run_passes("joint", record.add_trace(trace), record, first=own)
             joint = trace.module
-        stages = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        with torch._functorch.config.patch(graphsafe_rng_functionalization=False):  # see _rng_wrappers_typed
+            stages = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         _rng_wrappers_typed(stages)
         return stages
 
@@ -415,7 +416,8 @@ def timed_verify(record: GraphRecord, trace: Trace) -> Trace:
 
 def _rng_wrappers_typed(stages) -> None:
     """The partitioner wraps a checkpoint's random ops so that the backward replays their RNG state, and leaves the
-    wrappers without a value and the states with a symbolic size: each gets its value, the states their static size."""
+    wrappers without a value and the states with a symbolic size: each gets its value, the states their static size.
+    On CUDA too: its graph-safe variant (generator inputs, for CUDA graphs) is off, so such a stage is not recorded."""
     rng = torch._prims.rng_prims
     for node in (n for gm in stages for n in gm.graph.nodes if n.op == "call_function"):
         if node.target is rng.run_and_save_rng_state:

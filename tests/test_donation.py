@@ -249,3 +249,22 @@ def test_a_backward_recorded_as_a_cuda_graph_refuses_to_keep_the_graph():
     torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
     with pytest.raises(RuntimeError, match="retain_graph=True.*CUDA graph.*cuda_graphs=False"):
         Calls.apply(x).sum().backward(retain_graph=True)
+
+
+@pytest.mark.cuda
+def test_keeping_the_graph_under_cuda_graphs_is_right_or_refused_on_the_gpu():
+    """On the GPU with `cuda_graphs=True`: two backwards of one graph give eager's gradients, or the first one raises
+    the refusal above (a recorded backward that overwrites its saved activations); never other gradients."""
+    x, w = (torch.randn(64, 64, device="cuda", requires_grad=True) for _ in range(2))
+    cf = pipeline.jit(sin_mm_tanh_mm, executors=["inductor"], cuda_graphs=True)
+    for _ in range(3):
+        x.grad = w.grad = None
+        try:
+            _step_twice_keeping_the_graph(cf, x, w)
+        except RuntimeError as e:
+            assert re.search("retain_graph=True.*CUDA graph.*cuda_graphs=False", str(e)), e
+            return
+        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        _step_twice_keeping_the_graph(sin_mm_tanh_mm, x2, w2)
+        torch.testing.assert_close((x.grad, w.grad), (x2.grad, w2.grad))
+    assert pipeline.compile_stats(cf).cuda_graphs.get("g0 backward") == "on"

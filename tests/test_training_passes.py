@@ -158,13 +158,15 @@ class CheckpointedDropout(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
-def test_user_checkpoint_replays_the_forwards_dropout_masks_in_the_backward():
+@pytest.mark.parametrize("device,executor", [("cpu", "torch"), pytest.param("cuda", "torch", marks=pytest.mark.cuda),
+                                             pytest.param("cuda", "inductor", marks=pytest.mark.cuda)])
+def test_user_checkpoint_replays_the_forwards_dropout_masks_in_the_backward(device, executor):
     """The partitioner wraps a checkpoint's random ops to save and replay their RNG state; the wrappers compile (they
     fell back to Dynamo's graph run in eager, whose recompute drew other masks: wrong gradients behind a warning)."""
     torch.manual_seed(0)
-    model, x = CheckpointedDropout(), torch.randn(4, 8)
+    model, x = CheckpointedDropout().to(device), torch.randn(4, 8, device=device)
     eager = copy.deepcopy(model)
-    cm = pipeline.jit(model, executors=["torch"])
+    cm = pipeline.jit(model, executors=[executor])
     for seed in (1, 2):
         torch.manual_seed(seed)
         cm(x).square().sum().backward()
@@ -176,6 +178,27 @@ def test_user_checkpoint_replays_the_forwards_dropout_masks_in_the_backward():
                         if n.op == "call_function" and "rng_state" in str(n.target)] for stage in ("forward", "backward")}
     assert wrappers == {"forward": ["run_and_save_rng_state"], "backward": ["run_with_rng_state"]}
     stats = pipeline.compile_stats(cm)
+    assert stats.eager_fallbacks == {} and stats.fallbacks == []
+
+
+@pytest.mark.cuda
+def test_user_checkpoint_around_dropout_with_cuda_graphs_runs_its_forward_unrecorded():
+    """The RNG wrappers' state is a CPU tensor, so the forward is not recorded (with the reason); gradients stay eager's,
+    including a backward that keeps its graph."""
+    torch.manual_seed(0)
+    model, x = CheckpointedDropout().cuda(), torch.randn(4, 8, device="cuda")
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["inductor"], cuda_graphs=True)
+    for seed in (1, 2, 3):
+        for m in (cm, eager):
+            torch.manual_seed(seed)
+            loss = m(x).square().sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    stats = pipeline.compile_stats(cm)
+    assert stats.cuda_graphs["g0 forward"].startswith("off: a value off the GPU"), stats.cuda_graphs
     assert stats.eager_fallbacks == {} and stats.fallbacks == []
 
 
