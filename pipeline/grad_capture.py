@@ -83,8 +83,14 @@ class _MarkUserDetach(TorchFunctionMode):
 
 def trace_through_grad(fn: Callable, example_inputs: list) -> fx.GraphModule:
     """`make_fx` of `fn` on fake copies of `example_inputs`, the engine's detaches removed."""
-    with torch.enable_grad(), _MarkUserDetach():
-        gm = make_fx(fn, tracing_mode="fake")(*example_inputs)
+    try:
+        with torch.enable_grad(), _MarkUserDetach():
+            gm = make_fx(fn, tracing_mode="fake")(*example_inputs)
+    except AssertionError as e:  # make_fx met a tensor it was not given
+        if "convert all Tensors to FakeTensors" not in str(e):
+            raise
+        raise NotCapturable(f"{str(e).split('Found in ')[-1].split('(')[0]} reads a tensor that is neither a parameter, "
+                            "a buffer nor an input (an attribute, a global, a closure): make it a buffer or an argument")
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten.detach.default:

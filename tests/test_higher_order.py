@@ -224,6 +224,27 @@ def test_an_autograd_function_through_autograd_grad_runs_in_eager_loudly():
         pipeline.jit(Quantized(), executors=["torch"], fallback="raise")(positions.clone())
 
 
+@pytest.mark.allow_fallback
+def test_a_plain_tensor_attribute_through_autograd_grad_runs_in_eager_naming_the_fix():
+    """A tensor read from an attribute (not a parameter or buffer) is not among the capture's inputs: loud eager run."""
+    class Shifted(Potential):
+        def forward(self, positions):
+            positions = positions.requires_grad_(True)
+            energy = self.out(torch.tanh(self.embed(positions + self.shift))).sum()
+            return energy, -torch.autograd.grad(energy, positions, create_graph=True)[0]
+
+    model = Shifted()
+    model.shift = torch.randn(3)
+    eager = copy.deepcopy(model)
+    positions, target = torch.randn(7, 3), torch.randn(7, 3)
+    with pytest.warns(pipeline.PipelineFallbackWarning, match="reads a tensor that is neither.*buffer or an argument"):
+        train_step(cm := pipeline.jit(model, executors=["torch"]), positions, target)
+    train_step(eager, positions, target)
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert any("neither a parameter" in f for f in pipeline.compile_stats(cm).fallbacks)
+
+
 @dataclasses.dataclass
 class _Config:
     scale: float = 1.0
