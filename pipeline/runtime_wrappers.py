@@ -50,8 +50,9 @@ class ModelTransformInputs(RuntimeWrapper):
 
 class SeparateMutatedInputs(RuntimeWrapper):
     """Dynamo guards that no two inputs are one tensor, not that they do not overlap: a graph compiled for separate
-    tensors that writes one in place reads stale values through an overlapping view of it (as torch.compile does).
-    Each call checks that an input the graph writes shares no bytes with another; metadata: the positions checked."""
+    tensors that writes one in place would read stale values through an overlapping view of it (torch.compile
+    recompiles for such aliasing; this refuses it). Each call checks that an input the graph writes shares no bytes
+    with another; metadata: the positions checked."""
     def pre_compile(self, trace, example_inputs):
         self.users = {i: s.name for i, s in enumerate(trace.inputs)
                       if s.kind == "user_input" and isinstance(example_inputs[i], torch.Tensor)}
