@@ -26,6 +26,7 @@ from . import cache_files
 FORMAT = 2
 MAGIC = b"fxpipeline-cache 2 hmac-sha256\n"
 OWN_PACKAGES = ("torch", "ir.", "executors.", "pipeline.", "transforms.", "builtins", "_operator", "math")
+PLAIN = (type(None), bool, int, float, str, bytes)  # values a key holds as they are
 TORCH_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "c10d", "_dtensor", "pipeline", "pipeline_te"}
 log = get_logger("cache")
 
@@ -166,7 +167,7 @@ def _globals_read(fn, name: str) -> str:
             names.update((code := codes.pop()).co_names)
             codes += [c for c in code.co_consts if inspect.iscode(c)]
         for n, v in ((n, f.__globals__[n]) for n in sorted(names) if n in f.__globals__):
-            if isinstance(v, (bool, int, float, str, bytes)):
+            if isinstance(v, PLAIN):
                 parts.append(f"{n}={v!r}")
             elif inspect.isfunction(v) and v not in seen and not (v.__module__ or "").startswith(OWN_PACKAGES):
                 seen.add(v)
@@ -179,7 +180,7 @@ def stable_repr(value, name: str = "?", depth: int = 0) -> str:
     """The same text for `value` in every process; raises `Uncacheable` if there is none (a repr with an address)."""
     if depth > 6:
         raise Uncacheable(f"pass {name!r}: its closure is nested too deep to hash")
-    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+    if isinstance(value, (*PLAIN, torch.dtype, torch.device)):
         return repr(value)
     if isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value

@@ -14,7 +14,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .cache import _cell_filled, global_modes
+from .cache import PLAIN, _cell_filled, global_modes
 from .compiler import PipelineBackend
 from .fallbacks import report_fallback
 
@@ -103,7 +103,6 @@ def trace_through_grad(fn: Callable, example_inputs: list) -> fx.GraphModule:
     return gm
 
 
-_PLAIN = (bool, int, float, str, type(None))
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 
 
@@ -118,7 +117,7 @@ class _Entry:
 def _snapshot(v, depth: int = 0):
     """What a capture bakes in of a value it reads: plain values, and containers and objects' fields of them (a config
     dataclass, a list of coefficients), a few levels deep; anything else by identity."""
-    if isinstance(v, _PLAIN):
+    if isinstance(v, PLAIN):
         return v
     if depth > 2 or callable(v) or inspect.ismodule(v) or isinstance(v, torch.Tensor):
         return type(v), id(v)
