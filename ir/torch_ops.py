@@ -29,6 +29,21 @@ def writes_into(node: fx.Node) -> bool:
             or node.kwargs.get("inplace") is True or schema is not None and schema.is_mutable)
 
 
+# calls after which later calls run under another grad mode or autocast state (`with torch.no_grad()`, autocast)
+MODE_CHANGES = frozenset({torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast,
+                          torch._C._set_grad_enabled, torch.autograd.grad_mode._enter_inference_mode,
+                          torch.autograd.grad_mode._exit_inference_mode})
+
+
+def changes_between(nodes) -> bool:
+    """Whether a call between the first and the last of `nodes` (one graph's) writes in place or changes grad mode or
+    autocast: a rewrite joining or moving them would read the write, or run them all under one mode."""
+    order = list(next(iter(nodes)).graph.nodes)
+    first, last = min(map(order.index, nodes)), max(map(order.index, nodes))
+    return any(writes_into(n) or n.op == "call_function" and n.target in MODE_CHANGES
+               for n in order[first:last] if n not in nodes)
+
+
 def erase_unread(nodes) -> None:
     """Erases `nodes` nothing reads, then inputs so left unread; never graph inputs, impure or writing calls."""
     work = list(nodes)

@@ -7,11 +7,9 @@ import torch
 import torch.fx as fx
 
 from .trace import Trace, node_value
+from .torch_ops import MODE_CHANGES as _STATEFUL  # always run, so re-derived nodes see the mode
 from .verify import TraceError
 
-# nodes changing global state later nodes run under (autocast, grad mode): always run, so re-derived ones see it
-_STATEFUL = {torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast,
-             torch._C._set_grad_enabled}
 
 
 def check_types(trace: Trace, *, before: Optional[Trace] = None, pass_name: str = "",

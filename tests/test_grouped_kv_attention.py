@@ -135,6 +135,15 @@ def test_left_alone_when_k_is_written_in_place_before_the_attention(write):
     assert "enable_gqa" not in _run(attention)
 
 
+def test_left_alone_when_the_repeats_are_made_without_grad():
+    """k/v repeated under `torch.no_grad()`: the attention reading the grouped k/v would send gradients into them."""
+    def attention(q, k, v):
+        with torch.no_grad():
+            kr, vr = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, kr, vr)
+    assert "enable_gqa" not in _run(attention)
+
+
 def test_applies_under_mixed_precision():
     """fp32 q/k/v under `mixed_precision`'s autocast: the attention runs in bf16, so grouped k/v pay."""
     from transforms import mixed_precision

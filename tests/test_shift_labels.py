@@ -75,3 +75,21 @@ def test_hugging_faces_older_spelling_and_the_losss_options_match_eager(kwargs):
 ])
 def test_losses_the_pass_must_not_change_are_left_alone(name, loss_fn):
     check(loss_fn, torch.randn(2, 6, V), torch.randint(0, V, (2, 6)), applies=False)
+
+
+def _written_after_the_copy(x, t):  # the loss would read the write through the whole logits
+    logits = x * 1.0
+    shifted = logits[..., :-1, :].contiguous()
+    logits.div_(2.0)
+    return F.cross_entropy(shifted.view(-1, V), t[:, 1:].reshape(-1)) + logits.logsumexp(-1).mean()
+
+
+def _sliced_without_grad(x, t):  # a logged metric: the rewritten loss would send gradients into x
+    with torch.no_grad():
+        shifted = x[:, :-1]
+    return F.cross_entropy(shifted.reshape(-1, V), t[:, 1:].reshape(-1)) + x.square().mean()
+
+
+@pytest.mark.parametrize("loss_fn", [_written_after_the_copy, _sliced_without_grad])
+def test_a_write_or_a_grad_mode_change_between_slice_and_loss_leaves_it_alone(loss_fn):
+    check(loss_fn, torch.randn(2, 6, V), torch.randint(0, V, (2, 6)), applies=False)

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ir import Trace, fake_like, node_value
 from ir.rewrite import Call, Match, add_call, derive_rewritten, find, match
-from ir.torch_ops import LINEAR, LINEARS
+from ir.torch_ops import LINEAR, LINEARS, changes_between
 from ir.typecheck import refresh_values
 
 from .base import TracePass, pass_factory
@@ -53,7 +53,7 @@ def _groups(graph: fx.Graph) -> list[list[Match]]:
         first = min(order[m.root] for m in matches)
         # the stacked weight is built before the group's first linear: its weights must exist there
         ready = [m for m in matches if all(not isinstance(a, fx.Node) or order[a] < first for a in (m["w"], m["b"]))]
-        if len(ready) >= 2:
+        if len(ready) >= 2 and not changes_between([m.root for m in ready]):  # a write or a no_grad between: apart
             groups.append(ready)
     return groups
 
@@ -85,7 +85,10 @@ def _join(graph: fx.Graph, group: list[Match]) -> list[fx.Node]:
 
 
 def _views_allowed(node: fx.Node, piece) -> bool:
-    """Whether each `.view(...)` of the linear's output works on `piece`, a slice of the stacked output (not all do)."""
+    """Whether each `.view(...)` of the linear's output works on `piece`, a slice of the stacked output (not all do),
+    and none is `as_strided` (whose strides would land in the stacked output)."""
+    if any(user.target in ("as_strided", torch.as_strided) for user in node.users):
+        return False
     for view in (m for user in node.users if (m := match(VIEW, user))):
         args = [node_value(a) if isinstance(a, fx.Node) else a for a in view["shape"] or ()]
         try:

@@ -8,7 +8,7 @@ import operator
 import torch
 
 from ir import Trace, node_value
-from ir.torch_ops import SDPA, SDPA_PARAMS, erase_unread, writes_into
+from ir.torch_ops import SDPA, SDPA_PARAMS, changes_between, erase_unread
 from ir.rewrite import Call, Either, Match, derive_rewritten, rewrite
 
 from .base import TracePass, pass_factory
@@ -48,9 +48,7 @@ def grouped_kv_attention(devices: Sequence[str] = ("cuda",)) -> TracePass:
 def grouped_kv_attention_in(trace: Trace, devices: Sequence[str] = ("cuda",)) -> Trace:
     """`trace` with every SDPA on k/v repeated per query head reading grouped k/v instead; `trace` itself if none."""
     gm = trace.editable()
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    writes = [order[n] for n in gm.graph.nodes if writes_into(n)]
-    done = rewrite(gm.graph, [(ATTENTION_ON_REPEATS, _read_grouped, lambda m: _can_win(m, devices, order, writes))])
+    done = rewrite(gm.graph, [(ATTENTION_ON_REPEATS, _read_grouped, lambda m: _can_win(m, devices))])
     if not done:
         return trace
     erase_unread(n for m in done for n in m.nodes[1:])
@@ -63,16 +61,16 @@ def _read_grouped(m: Match) -> None:
     m.root.kwargs = {**m.root.kwargs, "enable_gqa": True}
 
 
-def _can_win(m: Match, devices, order, writes) -> bool:
+def _can_win(m: Match, devices) -> bool:
     """Whether the attention `m` matched repeats k/v heads per group, in half precision (the inputs', or the output's
-    under autocast: `mixed_precision` keeps q/k/v fp32) on `devices`, nothing written into the repeats or k/v first."""
+    under autocast: `mixed_precision` keeps q/k/v fp32) on `devices`, nothing written in place and no grad mode or
+    autocast change from the first repeat on (`changes_between`)."""
     nk, nv = _heads_repeated(m, "k"), _heads_repeated(m, "v")
     out, qv, kv, vv = node_value(m.root), m.value("q"), m.value("k"), m.value("v")
-    first = min(order[n] for n in m.nodes[1:])
     return (nk is not None and nk == nv and isinstance(out, torch.Tensor) and out.dtype in HALF
             and all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.device.type in devices for t in (qv, kv, vv))
             and _same((kv.shape[1] * nk, vv.shape[1]), (qv.shape[1], kv.shape[1]))
-            and not any(first <= w < order[m.root] for w in writes))
+            and not changes_between(m.nodes))
 
 
 def _heads_repeated(m: Match, x: str) -> Optional[int]:

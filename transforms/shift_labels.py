@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ir import Trace, fake_like
 from ir.rewrite import Call, Match, add_call, derive_rewritten, rewrite
-from ir.torch_ops import erase_unread
+from ir.torch_ops import changes_between, erase_unread
 
 from .base import TracePass, pass_factory
 
@@ -37,7 +37,8 @@ def shift_labels_in(trace: Trace) -> Trace:
 
 
 def _drops_each_rows_last(m: Match) -> bool:
-    """[B, S, V] static logits less position S-1, as rows only the loss reads; labels: B*(S-1) class indices."""
+    """[B, S, V] static logits less position S-1, as rows only the loss reads; labels: B*(S-1) class indices; nothing
+    between the slice and the loss writes in place or changes grad mode (the loss would read the logits it wrote)."""
     logits, labels, rows = m.value("logits"), m.value("labels"), m.value("rows")
     if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and all(isinstance(n, int) for n in logits.shape)):
         return False
@@ -45,7 +46,7 @@ def _drops_each_rows_last(m: Match) -> bool:
     only_the_loss_reads = all(len(m[k].users) == 1 for k in ("shifted", "copy", "rows") if k in m)
     return (s > 1 and _drops_last_position(m["index"], s) and tuple(rows.shape) == (b * (s - 1), v)
             and isinstance(labels, torch.Tensor) and not labels.is_floating_point()  # probabilities: no ignore_index
-            and tuple(labels.shape) == (b * (s - 1),) and only_the_loss_reads)
+            and tuple(labels.shape) == (b * (s - 1),) and only_the_loss_reads and not changes_between(m.nodes))
 
 
 def _drops_last_position(index, s: int) -> bool:
