@@ -1,6 +1,5 @@
-"""Decomposition node by node: an op is split into simpler ops where it stands, the rest of the graph untouched.
-`decompose_node` traces an op's decomposition on its fake inputs (`make_fx`) for the dispatcher to splice in;
-`decompose_graph` does so for every op a table covers (Inductor's regions: docs/executors.md, "inductor")."""
+"""Decomposition node by node: an op split into simpler ops where it stands, the rest of the graph untouched: one op
+traced on its fake inputs (`decompose_node`), or every op a table covers (`decompose_graph`, for Inductor's regions)."""
 
 import contextlib
 import copy
@@ -74,9 +73,8 @@ class NotDecomposable(Exception):
 
 
 def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
-    """A copy of `gm` with each op `table` decomposes (or with a CompositeImplicit kernel) replaced by its
-    decomposition, each op/signature traced once; values re-derived at each splice (and its views) so fake values alias
-    as real ones do (Inductor's passes read that). Raises `NotDecomposable` on symbolic shapes or changed metadata."""
+    """A copy of `gm`, each op `table` decomposes (or CompositeImplicit) replaced, traced once per signature; values
+    re-derived at each splice (and its views) so fake values alias as real ones do (Inductor's passes read that)."""
     graph = copy.deepcopy(gm.graph)
     if (fake_mode := _fake_mode_of([node_value(n) for n in graph.nodes if n.op == "placeholder"])) is None:
         raise NotDecomposable("the graph's inputs carry no fake values")
@@ -84,11 +82,8 @@ def decompose_graph(gm: fx.GraphModule, table: dict) -> fx.GraphModule:
                     and isinstance(n.target, torch._ops.HigherOrderOperator)]
     if higher_order:  # their bodies (and out_dtype, which the table decomposes) need the whole re-trace
         raise NotDecomposable(f"higher-order ops {higher_order[:3]}")
-    traced: dict = {}
-    stale: dict[fx.Node, set] = {}  # node -> storages its users (views) may alias from before a splice: re-derived too
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
+    traced, stale = {}, {}  # stale: node -> storages its users (views) may alias from before a splice: re-derived too
+    for node in [n for n in graph.nodes if n.op == "call_function"]:
         if isinstance(node.target, torch._ops.OpOverload) and (node.target in table or _is_composite(node.target)):
             if (key := _signature(node)) not in traced:
                 try:

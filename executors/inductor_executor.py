@@ -95,10 +95,9 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
     def finish_region(self, fn: "InductorRegion") -> None:
         fn.wait_for_kernels()
 
-    # -- the compiled-artifact cache -------------------------------------------------------------
     def cache_token(self) -> str:
+        """With the global flags Inductor bakes into kernels (its FX graph cache keys them too)."""
         from torch._inductor import config
-        # Global flags Inductor bakes into kernels (its FX graph cache keys them): deterministic mode, matmul precision
         matmul = torch.backends.cuda.matmul
         return (f"inductor fallback_random={self.fallback_random} config={_portable_config_hash(config.get_hash())} "
                 f"deterministic={torch.are_deterministic_algorithms_enabled()} "
@@ -109,8 +108,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
     def artifact_unsupported_reason(self, gm, example_inputs) -> str | None:
         if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
                 isinstance(s, int) for s in (*v.shape, *v.stride(), v.storage_offset()))) for v in example_inputs):
-            # Inductor may add shape guards while compiling; a stored kernel would not re-add them.
-            return "inductor region with symbolic shapes"
+            return "inductor region with symbolic shapes"  # a stored kernel lacks the shape guards Inductor may add
         return None
 
     def save_region(self, fn: "InductorRegion") -> bytes:
@@ -134,8 +132,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
         stored = pickle.loads(data)
         for rel, content in stored["files"].items():
             _put_verified(own, rel, content)
-        compiled = pickle.loads(stored["graph"])
-        constants = CompiledFxGraphConstants()
+        compiled, constants = pickle.loads(stored["graph"]), CompiledFxGraphConstants()
         with _kernel_dir(own):
             if bundle := getattr(compiled, "_triton_bundle", None):  # launched as bundled, not compiled again
                 from torch._inductor.triton_bundler import TritonBundler
@@ -147,8 +144,7 @@ class InductorExecutor(Cacheable, PerModel, PreparesGraph):
 
 
 class InductorRegion:
-    """A compiled region: Inductor's `CompiledFxGraph`, with outputs copied into the strides the region's trace
-    promised where Inductor chose other ones. Its kernels compile until `finish_region` (or its first call)."""
+    """Inductor's `CompiledFxGraph`, outputs restrided as the trace promised; kernels compile until `finish_region`."""
 
     def __init__(self, compiled, gm: fx.GraphModule, pending=(), kernel_dir=None):
         self.compiled, self.kernel_dir = compiled, kernel_dir  # the cache dir its kernels compiled under
@@ -192,8 +188,7 @@ def _donating(gm: fx.GraphModule, donated: list[int]):
 
 
 def _kernel_libraries(compiled) -> set[str]:
-    """Paths of the shared libraries the compiled graph's C++ kernels were loaded from, and, when there are any,
-    of Inductor's vector-ISA probe (built once per cache dir; finding it compiles probe programs, ~30 s)."""
+    """The .so files the graph's C++ kernels loaded from, and if any, Inductor's ISA probe (else rebuilt: ~30 s)."""
     module = sys.modules.get(getattr(compiled.current_callable, "__module__", None) or "")
     owners = [getattr(value, "__self__", None) for value in (vars(module).values() if module is not None else ())]
     paths = {owner.__file__ for owner in owners
@@ -248,8 +243,7 @@ def _portable_config_hash(config_hash: bytes) -> str:
 
 
 def _stable_text(value) -> str:
-    """`value` as the same text in every process: sets sorted, functions by name, custom passes by their `uuid()`.
-    An object whose text is its address gets a text unique to this process (never loaded in another one)."""
+    """`value` as the same text in every process; an object shown by its address, as one unique to this process."""
     if isinstance(value, (set, frozenset)):
         return "{" + ", ".join(sorted(_stable_text(v) for v in value)) + "}"
     if isinstance(value, (list, tuple)):
@@ -266,8 +260,7 @@ def _stable_text(value) -> str:
 
 @functools.cache
 def _machine() -> str:
-    """What generated kernels depend on: GPU, CUDA/HIP and Triton versions (as Inductor's `get_system`), the CPU's
-    architecture and ISA flags; read cheaply (`get_system`, `pick_vec_isa` take seconds per process)."""
+    """What generated kernels depend on, read cheaply (Inductor's `get_system`, `pick_vec_isa` take seconds each)."""
     import importlib.metadata
     import platform
     parts = [platform.machine(), f"cuda {torch.version.cuda}", f"hip {torch.version.hip}",
@@ -322,8 +315,7 @@ def _static_stride(stride) -> tuple[int, ...] | None:
 
 
 def _inductor_decomposed(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule:
-    """The region with Inductor's decompositions (op by op, `decompose_graph`, else re-traced whole) and graph rewrites
-    (`joint_graph_passes`), as torch.compile: without them NLL's backward keeps a logits-sized `zeros + scatter`."""
+    """Inductor's decompositions and graph rewrites, as torch.compile: else NLL's backward keeps `zeros + scatter`."""
     from torch._guards import detect_fake_mode
     from torch._inductor import config
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes

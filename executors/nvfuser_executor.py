@@ -1,5 +1,4 @@
-"""The `nvfuser` executor: a region as one nvFuser `FusionDefinition`, of the ops in `nvfuser_ops.CLAIMS` on its device
-in dtypes nvFuser takes (docs/executors.md). Sizes are symbolic but size-1 dims; one definition per input signature."""
+"""The `nvfuser` executor: a region as one nvFuser `FusionDefinition` per input signature (docs/executors.md)."""
 
 import warnings
 from typing import Sequence

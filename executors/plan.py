@@ -55,11 +55,10 @@ def dispatch(trace: Trace, executors: Sequence[Executor], *, stage: str, graph_i
              artifacts: Optional[dict[str, RegionArtifact]] = None,
              donated: Sequence[int] = (), on_fallback: Optional[Callable[[str], None]] = None,
              autotune: Optional[Callable[[float], None]] = None, partitioned: Optional[Assignment] = None) -> Execution:
-    """Assigns, partitions and compiles `trace`. `artifacts` (region key -> `RegionArtifact`): the artifact cache,
-    loaded from and filled. `donated`: indices of inputs nothing reads after this stage (`bw_donated_idxs`).
-    `on_fallback(message)`: told when a wrong first result moves a region to the next executor. `autotune(seconds)`:
-    races regions several `executors` take (autotune.py), told what measuring took. `partitioned`: `trace` is an
-    execution trace's module before its regions were built (`unbuilt`: a warm start), this its assignment."""
+    """Assigns, partitions and compiles `trace`. `artifacts`: the artifact cache, loaded from and filled. `donated`:
+    indices of inputs nothing reads after this stage (`bw_donated_idxs`). `on_fallback(message)`: told when a wrong
+    first result moves a region to a later executor. `autotune(seconds)`: races regions several `executors` take, told
+    what measuring took. `partitioned`: the assignment, `trace` being an `unbuilt` module (a warm start)."""
     gm = trace.editable() if partitioned is None else trace.module
     steps: list[Step] = []
 
@@ -261,8 +260,7 @@ def _store(artifacts: dict, key: str, fn, source, region: Region, ex: Executor, 
 
 def _replace_wrong_result(problem: str, *, source, region: Region, structure, order, fallback,
                           replaced: dict, on_fallback) -> Callable:
-    """The region compiled by the executors after the one whose result was wrong (`problem`), once
-    per kind of region: an identical region reuses the replacement, without a second warning."""
+    """The region compiled by the executors after the wrong one (`problem`); identical regions reuse it, unwarned."""
     wrong = next(e for e in order if e.name == region.executor)
     key = (wrong.name, structure) if structure else None
     if key in replaced:
@@ -359,22 +357,20 @@ def gemm_flops(node: fx.Node, executors: Sequence[Executor] = ()) -> tuple[int, 
     for ex in executors:
         if (counted := ex.flops(node)) is not None:
             return counted
-    aten = torch.ops.aten
     shapes = [tuple(node_value(a).shape) if isinstance(a, fx.Node) and isinstance(node_value(a), torch.Tensor)
               else None for a in node.args]
     with contextlib.suppress(TypeError, IndexError):  # symbolic sizes: not counted
-        if node.target in (aten.mm.default, aten.addmm.default):
+        if node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             a, b = shapes[-2], shapes[-1]
             return 2 * a[0] * a[1] * b[1], False
-        if node.target is aten.bmm.default:
+        if node.target is torch.ops.aten.bmm.default:
             a, b = shapes
             return 2 * a[0] * a[1] * a[2] * b[2], False
     return 0, False
 
 
 def unbuilt(executed: fx.GraphModule) -> fx.GraphModule:
-    """An execution trace's module before its regions were built, for `dispatch(..., partitioned=...)`: a copy of its
-    graph, each region submodule its region's graph (identical regions share the first's), its constants kept."""
+    """An execution trace's module before its regions were built (`dispatch(partitioned=...)`); twins share a graph."""
     root, sources = {}, {}  # what the graph's call_module and get_attr nodes name
     for node in executed.graph.nodes:
         if node.op == "call_module":

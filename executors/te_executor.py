@@ -1,6 +1,5 @@
-"""The `te` executor: linear layers through Transformer Engine GEMMs, in bf16 or fp8. When `te` is listed the
-captured trace's linears are swapped, before autodiff, for the custom op `pipeline_te::linear`, which carries its
-own autograd (TE's dgrad/wgrad GEMMs in `pipeline_te::linear_backward`); AOTAutograd keeps both as single ops.
+"""The `te` executor: linear layers through Transformer Engine GEMMs, in bf16 or fp8. Before autodiff, linears become
+the custom op `pipeline_te::linear` with its own autograd (`pipeline_te::linear_backward`), each one op to AOTAutograd.
 
     pipeline.jit(model, executors=[te.fp8(DelayedScaling()), "inductor"])   # or te (bf16), te.fp8() (current)
 
@@ -67,9 +66,8 @@ def _linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool
     dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
     if not fp8:
         x, weight = saved
-        x2 = x.reshape(-1, x.shape[-1])
         dx = general_gemm(weight, dy2, out_dtype=dy.dtype, layout="NN", grad=True, use_split_accumulator=True)[0]
-        dw, db = general_gemm(x2, dy2, out_dtype=weight.dtype, layout="NT", grad=True,
+        dw, db = general_gemm(x.reshape(-1, x.shape[-1]), dy2, out_dtype=weight.dtype, layout="NT", grad=True,
                               bias=dy2[0] if has_bias else None, use_split_accumulator=True)[:2]
         k = weight.shape[1]
     else:
@@ -77,11 +75,10 @@ def _linear_backward(dy: torch.Tensor, saved: list[torch.Tensor], has_bias: bool
         from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
         x_t, x_si, w_t, w_si = saved
         if scaling < 0:
-            fwd_format, gq = "e4m3", current_quantizer("e5m2")
+            e4m3, gq = te_dtype("e4m3"), current_quantizer("e5m2")
         else:
             state = delayed_state(scaling)
-            fwd_format, gq = state.forward.fmt, state.backward_quantizer(index, dy.device)
-        e4m3 = te_dtype(fwd_format)
+            e4m3, gq = te_dtype(state.forward.fmt), state.backward_quantizer(index, dy.device)
         xq = Float8TensorStorage(data=None, data_transpose=x_t, fp8_scale_inv=x_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
         wq = Float8TensorStorage(data=None, data_transpose=w_t, fp8_scale_inv=w_si, fp8_dtype=e4m3, fake_dtype=dy.dtype)
         db, dyq = tex.bgrad_quantize(dy2, gq) if has_bias else (None, gq(dy2))
@@ -144,8 +141,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
     claims_table = _CLAIMS
 
     def __init__(self, fp8: bool = False, recipe=None, group_linears: bool | None = None):
-        self.use_fp8, self.recipe = fp8, recipe
-        self.grouping = group_linears  # None: the default, which depends on fp8 (see options)
+        self.use_fp8, self.recipe, self.grouping = fp8, recipe, group_linears  # grouping None: by fp8 (see options)
         self.scaling: DelayedScalingState | None = None  # per jitted model, see for_model
         self.state_device: str | None = None  # where `_allocate_state` put what the ops keep
 
@@ -154,15 +150,13 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return self.use_fp8 if self.grouping is None else self.grouping
 
     def options(self, *, group_linears: bool | None = ...) -> "TEExecutor":
-        """This executor with options. `group_linears=True`: linears reading one input (q/k/v, gate/up) become one TE
-        GEMM on their stacked weights (`transforms.group_linears`), one fp8 scaling state saved under the first's module;
-        `False`: one GEMM per linear; `None` (default): in fp8 only, where the shared cast pays (docs/executors.md)."""
+        """`group_linears=True`: linears reading one input (q/k/v, gate/up) become one TE GEMM on stacked weights, one
+        fp8 state under the first's module; `False`: one GEMM each; `None` (default): in fp8 (a shared cast pays)."""
         group_linears = self.grouping if group_linears is ... else group_linears
         return TEExecutor(fp8=self.use_fp8, recipe=self.recipe, group_linears=group_linears)
 
     def fp8(self, recipe=None) -> "TEExecutor":
-        """The fp8 variant. `recipe`: None or `Float8CurrentScaling()` (current scaling), or `DelayedScaling(...)`
-        (amax history; margin, amax_history_len, amax_compute_algo 'max' | 'most_recent', fp8_format HYBRID | E4M3)."""
+        """The fp8 variant. `recipe`: None or `Float8CurrentScaling()` (current scaling), or `DelayedScaling(...)`."""
         kind = type(recipe).__name__
         if recipe is not None and kind not in ("Float8CurrentScaling", "DelayedScaling"):
             raise TypeError(f"te.fp8: recipe {kind} is not supported; use transformer_engine.common.recipe."
@@ -270,8 +264,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return (self.scaling.handle, dict(self.scaling.names)) if self.scaling else (-1, {}), self.state_device
 
     def bind_again(self, binding: tuple) -> bool:
-        """Registers the stored linears again when this model's state gives them the same indices: none registered
-        yet, or the first ones the same (another graph of this model); then allocates their state."""
+        """Registers the stored linears again, and allocates their state, if this model's state keeps their indices."""
         (handle, names), device = binding
         have, own_handle = (self.scaling.names, self.scaling.handle) if self.scaling else ({}, -1)
         if handle != own_handle or list(have.items()) != list(names.items())[:len(have)]:
@@ -283,8 +276,7 @@ class TEExecutor(RebuiltFromGraph, PerModel, PreparesGraph):
         return True
 
     def _allocate_state(self, device: torch.device) -> None:
-        """What the TE ops keep across calls (cuBLAS workspace, quantizers' scales, delayed-scaling history), allocated
-        now: in a first call it would land in a CUDA graph warm-up's memory pool (`cuda_graphs=True`)."""
+        """What the TE ops keep across calls, allocated now (a first call would put it in a CUDA graph warm-up pool)."""
         self.state_device = str(device)
         if device.type != "cuda" or self.unavailable_reason() is not None:
             return

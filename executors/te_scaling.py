@@ -1,6 +1,5 @@
-"""fp8 scaling for the `te` executor: current scaling (stateless) and delayed scaling, one `DelayedScalingState`
-per jitted model (docs/executors.md, "te"): x, W and dy of every linear, stacked per direction. The custom ops reach
-the state through an integer handle, so the graph stays a pure function of its inputs as far as the compiler can see."""
+"""fp8 scaling for the `te` executor: current (stateless) and delayed, one `DelayedScalingState` per jitted model. The
+custom ops reach it through an integer handle, so to the compiler the graph stays a pure function of its inputs."""
 
 import functools
 import itertools
@@ -20,8 +19,7 @@ def te_dtype(name: str):
 
 @functools.cache
 def current_quantizer(name: str, columnwise: bool = True):
-    """A current-scaling quantizer (it measures the amax of what it casts), stateless: one per format and
-    layout serves every linear. `columnwise`: also the transposed copy (dy's, for the wgrad GEMM)."""
+    """A stateless current-scaling quantizer, for every linear; `columnwise`: also the transpose (dy's, for wgrad)."""
     from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
     q = Float8CurrentScalingQuantizer(te_dtype(name), torch.device("cuda"), rowwise=True, columnwise=columnwise)
     q.internal = True
@@ -41,8 +39,7 @@ class _Stack:
 
     def __init__(self, per_linear: int, fmt: str, columnwise: bool):
         self.per_linear, self.fmt, self.columnwise = per_linear, fmt, columnwise
-        # Cold until amaxes were recorded and folded into scales: casts then use current scaling
-        # (a scale of 1 would flush small values, the gradients, to zero) and record their amaxes.
+        # cold: casts use current scaling (a scale of 1 flushes small gradients to 0) and record amaxes for the scales
         self.cold, self.recorded = True, False
         self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (history [L, n_k], scale [n_k])
         self.quantizers: dict[int, object] = {}  # column -> quantizer on views of the buffers
@@ -95,8 +92,7 @@ class DelayedScalingState:
         return self.names.setdefault(name, len(self.names))
 
     def allocate(self, device) -> None:
-        """Buffers for every linear registered so far: at compile time (TEExecutor.prepare), and at a
-        cast in case a linear registered since (loaded state waiting for it is put in place)."""
+        """Buffers for every linear registered so far: at compile time, and at a cast (a linear may register since)."""
         n, length = len(self.names), self.recipe.amax_history_len
         if self.forward.columns < 2 * n:
             first = self.forward.columns == 0
@@ -106,8 +102,7 @@ class DelayedScalingState:
             for name in loaded:
                 self._load(name, self.pending.pop(name))
             if first and loaded:
-                # A loaded state holds the last saved step's amaxes, not yet in its scales: fold them
-                # in now, as the uninterrupted run's next call did (this call's update found no state).
+                # loaded amaxes (the last saved step's) are not in the scales yet: folded in now, as the next call did
                 self.forward.cold = self.backward.cold = False
                 self.update()
 
@@ -134,8 +129,7 @@ class DelayedScalingState:
 
     @staticmethod
     def _record(stack: "_Stack", column: int, t: torch.Tensor) -> None:
-        """The amax of `t` into the newest history row (max of the call's uses of the column), as a delayed cast records
-        it: measured (a current-scaling cast of zeros says scale 1, not amax 0): an extra reduction, cold calls only."""
+        """`t`'s amax into the newest history row, measured: a current-scaling cast of 0s says scale 1, not amax 0."""
         row = stack.view(column, 1)[0][0]
         torch.maximum(row, t.abs().amax().float().reshape(1), out=row)
         stack.recorded = True
@@ -151,14 +145,14 @@ class DelayedScalingState:
                 import transformer_engine_torch as tex
             except ImportError:
                 tex = None
-            if tex is None or not all(h.is_cuda for h, _ in stack.chunks):
-                # no TE, or state off the GPU (CPU tests; TE's kernel would misread host memory): the same in torch
+            if tex is not None and all(h.is_cuda for h, _ in stack.chunks):
+                tex.fused_amax_and_scale_update_after_reduction(
+                    torch.cat([h[0] for h, _ in stack.chunks]), [h for h, _ in stack.chunks],
+                    [s for _, s in stack.chunks], self.recipe.amax_compute_algo, te_dtype(stack.fmt),
+                    self.recipe.margin)
+            else:  # no TE, or state off the GPU (CPU tests; TE's kernel would misread host memory): the same in torch
                 for history, scale in stack.chunks:
                     _update_reference(history, scale, self.recipe, _FP8_MAX[stack.fmt])
-                continue
-            tex.fused_amax_and_scale_update_after_reduction(
-                torch.cat([h[0] for h, _ in stack.chunks]), [h for h, _ in stack.chunks],
-                [s for _, s in stack.chunks], self.recipe.amax_compute_algo, te_dtype(stack.fmt), self.recipe.margin)
 
     # -- state dict: `<module>._extra_state.<attr>_fp8_scale` [x, W, dy] and `..._fp8_amax_history` [L, 3]
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -201,14 +195,12 @@ _FORMATS = {"HYBRID": ("e4m3", "e5m2"), "E4M3": ("e4m3", "e4m3")}  # fp8_format 
 
 
 def _update_reference(history: torch.Tensor, scale: torch.Tensor, recipe, fp8_max: float) -> None:
-    """TE's delayed-scaling update (its unfused path): amax from the history, the history rolled
-    with its newest row cleared, scale = fp8_max / amax / 2^margin where amax is positive and finite."""
+    """TE's delayed-scaling update, as its unfused path computes it."""
     amax = history.max(0).values if recipe.amax_compute_algo == "max" else history[0].clone()
     if history.shape[0] > 1:
         history.copy_(torch.roll(history, -1, 0))
     history[0].fill_(0.0)
-    new = (fp8_max / amax) / (2 ** recipe.margin)
-    new = torch.where((amax > 0) & torch.isfinite(amax), new, scale)
+    new = torch.where((amax > 0) & torch.isfinite(amax), fp8_max / amax / 2 ** recipe.margin, scale)
     scale.copy_(torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new))
 
 

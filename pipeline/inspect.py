@@ -140,10 +140,8 @@ class Explanation:
     ops_per_graph: list[int]
 
     def __str__(self) -> str:
-        lines = [f"{self.graphs} graph(s), {len(self.graph_breaks)} graph break(s); "
-                 f"ops per graph: {self.ops_per_graph}"]
-        lines += [f"  break at {b.where}: {b.reason}" for b in self.graph_breaks]
-        return "\n".join(lines)
+        head = f"{self.graphs} graph(s), {len(self.graph_breaks)} graph break(s); ops per graph: {self.ops_per_graph}"
+        return "\n".join([head] + [f"  break at {b.where}: {b.reason}" for b in self.graph_breaks])
 
 
 def explain(fn_or_module: Callable, *args, **kwargs) -> Explanation:

@@ -1,5 +1,4 @@
-"""Model-changing transforms applied to a jitted module: which parameters were replaced by what,
-the trace rewrite that feeds the compiled code the new tensors, and state dicts both ways."""
+"""Model transforms on a jitted module: parameters replaced, the trace rewrite reading their tensors, state dicts."""
 
 import dataclasses
 import functools
@@ -31,8 +30,7 @@ class Replaced:
 def apply(model: torch.nn.Module, transforms: list[ModelTransform], reader=None,
           device: torch.device | None = None) -> dict[str, Replaced]:
     """Replaces the parameters the transforms claim (chained where several do) by stand-ins of their shape, dtype and
-    device, so the module still captures; returns the replacements. Checked first: an error changes nothing. `reader`
-    (open safetensors) supplies the values by slices (`encode_slices`), cast to the parameter's dtype (warned)."""
+    device, so the module still captures (all checked first); `reader`: open safetensors, read by `encode_slices`."""
     claimed = _claimed(model, transforms)
     if reader is not None:
         keys = set(reader.keys())
@@ -90,8 +88,7 @@ def _refuse_stale_optimizer(optimizer, args, kwargs) -> None:
 
 
 def _claimed(model: torch.nn.Module, transforms: list[ModelTransform]) -> dict:
-    """qualname -> (module prefix, module, attribute, parameter, transform) for every parameter a
-    transform replaces; raises if a chain does not compose or a transform refuses a parameter."""
+    """qualname -> (module prefix, module, attribute, parameter, transform) of each parameter a transform replaces."""
     claimed, refused, names = {}, [], {}
     for qualname, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(qualname)
@@ -167,8 +164,7 @@ def rewrite(trace: Trace, example_inputs: list, replaced: dict[str, Replaced]):
 
 
 def state_dict(original_state: dict, replaced: dict[str, Replaced], executors=()) -> dict:
-    """The original model's state dict, replaced parameters decoded; transforms' and `executors`' state (TE's fp8
-    scaling state, say) under `_extra_state` keys."""
+    """The original model's state dict, replaced parameters decoded; transforms' and executors' under `_extra_state`."""
     out = dict(original_state)
     for qualname, r in replaced.items():
         if qualname in out:

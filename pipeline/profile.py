@@ -53,8 +53,7 @@ def profile(cm, *args, backward: bool = True, chrome_trace: Optional[str] = None
         prof.export_chrome_trace(chrome_trace)
     by_label, result = {e.key: e for e in prof.key_averages()}, ProfileTable()
     for r in regions(cm):
-        if (event := by_label.get(f"region{r.id}:{r.executor}")) is None:
-            continue
-        micros = getattr(event, "device_time_total", 0) or event.cpu_time_total
-        result.append(RegionTime(r.id, r.stage, r.executor, _clip(_summarize(r.ops), 50), event.count, micros / 1e3))
+        if (event := by_label.get(f"region{r.id}:{r.executor}")) is not None:
+            ms = (getattr(event, "device_time_total", 0) or event.cpu_time_total) / 1e3
+            result.append(RegionTime(r.id, r.stage, r.executor, _clip(_summarize(r.ops), 50), event.count, ms))
     return result
