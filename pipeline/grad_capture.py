@@ -116,14 +116,28 @@ class _Entry:
 
 def _snapshot(v, depth: int = 0):
     """What a capture bakes in of a value it reads: plain values, and containers and objects' fields of them (a config
-    dataclass, a list of coefficients), a few levels deep; anything else by identity."""
+    dataclass, a list of coefficients), however deep; tensors, functions, modules and slotted objects by identity."""
     if isinstance(v, PLAIN):
         return v
-    if depth > 2 or callable(v) or inspect.ismodule(v) or isinstance(v, torch.Tensor):
+    if depth > 8:
+        raise NotCapturable("a value the forward may read is nested over 8 levels deep (a cycle?): its changes could "
+                            "not be told apart")
+    if isinstance(v, (set, frozenset)):
+        return type(v), frozenset(_snapshot(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return type(v), *((_snapshot(k, depth + 1), _snapshot(x, depth + 1)) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return type(v), *(_snapshot(x, depth + 1) for x in v)
+    if callable(v) or inspect.ismodule(v) or isinstance(v, torch.Tensor) or not hasattr(v, "__dict__"):
         return type(v), id(v)
-    if isinstance(v, (list, tuple, dict)):
-        return type(v), *(_snapshot(x, depth + 1) for x in (v.items() if isinstance(v, dict) else v))
-    return (type(v), _snapshot(vars(v), depth + 1)) if hasattr(v, "__dict__") else (type(v), id(v))
+    return type(v), _snapshot(vars(v), depth + 1)
+
+
+def _class_fields(cls: type) -> tuple:
+    """A module class's plain attributes (`cutoff = 5.0` in its body) along its bases, up to `nn.Module`."""
+    mro = cls.__mro__[:cls.__mro__.index(torch.nn.Module)]
+    return tuple((c.__qualname__, k, _snapshot(v)) for c in mro for k, v in vars(c).items() if not k.startswith("__")
+                 and not isinstance(v, (types.FunctionType, property, staticmethod, classmethod)))
 
 
 def _module_state(m: torch.nn.Module) -> tuple:
@@ -151,10 +165,16 @@ class GradCapture:
         params = dict(module.named_parameters()) if module is not None else {}
         buffers = dict(module.named_buffers()) if module is not None else {}
         flat_args, in_spec = pytree.tree_flatten((args, kwargs))
-        key = (in_spec, global_modes(), tuple(map(_module_state, module.modules())) if module is not None else None,
-               tuple(_signature(v) for v in [*params.values(), *buffers.values(), *flat_args]),
-               tuple(_snapshot(scope.get(n)) for scope, n in self.globals_read),
-               tuple(_snapshot(c.cell_contents) if _cell_filled(c) else None for c in self.cells))
+        modules = list(module.modules()) if module is not None else []
+        try:
+            key = (in_spec, global_modes(), tuple(map(_module_state, modules)),
+                   tuple(_class_fields(cls) for cls in dict.fromkeys(map(type, modules))),
+                   tuple(_signature(v) for v in [*params.values(), *buffers.values(), *flat_args]),
+                   tuple(_snapshot(scope.get(n)) for scope, n in self.globals_read),
+                   tuple(_snapshot(c.cell_contents) if _cell_filled(c) else None for c in self.cells))
+        except NotCapturable as e:
+            report_fallback(self.state, f"the model runs in eager: {e}")
+            return self.target(*args, **kwargs)
         if (entry := self.cache.get(key)) is None:
             if self.cache:
                 self.state.history.recompiles += 1
@@ -207,4 +227,4 @@ class GradCapture:
 
 
 def _signature(v):
-    return (tuple(v.shape), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else (type(v), v)
+    return (tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else (type(v), v)

@@ -315,7 +315,16 @@ class JittedModule(torch.nn.Module):
         super().__init__()
         self.__dict__.update(_original=model, _runners={}, _state=state, _again=again)  # not submodules (`_call`)
         self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
-        self.training = model.training
+        self._non_persistent_buffers_set, self.training = model._non_persistent_buffers_set, model.training
+
+    def __setattr__(self, name: str, value) -> None:
+        """An attribute set on the jitted model is set on the original, which the compiled code reads (`cm.scale = 2`)."""
+        if name in self.__dict__:  # the wrapper's own fields (shared dicts, hooks, `training`)
+            return super().__setattr__(name, value)
+        setattr(self._original, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self if name in self.__dict__ else self._original, name)
 
     def forward(self, *args, **kwargs):
         return _call(self, args, kwargs)

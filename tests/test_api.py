@@ -102,6 +102,29 @@ def test_jitted_module_behaves_like_the_module(mlp):
     assert cm.fc1 is mlp.fc1
 
 
+def test_attributes_set_on_the_jitted_module_reach_the_compiled_model():
+    """`cm.scale = 3.0` stayed on the wrapper while the compiled code read the original's 1.0; a non-persistent buffer
+    registered on the wrapper landed in its state dict."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.scale = torch.nn.Linear(3, 3), 1.0
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    model, x = Scaled(), torch.randn(2, 3)
+    cm = pipeline.jit(model, executors=["torch"])
+    cm(x)
+    cm.scale = 3.0
+    assert model.scale == 3.0
+    torch.testing.assert_close(cm(x), model.fc(x) * 3.0)
+    cm.register_buffer("scratch", torch.ones(2), persistent=False)
+    assert "scratch" not in cm.state_dict() and model.scratch is cm.scratch
+    del cm.scale
+    assert not hasattr(model, "scale")
+
+
 def test_optimizer_on_jitted_parameters_trains_the_original(mlp):
     cm = pipeline.jit(mlp, executors=["torch"])
     opt = torch.optim.AdamW(cm.parameters(), lr=1e-2)

@@ -283,6 +283,50 @@ def test_through_autograd_grad_nested_values_and_requires_grad_act_as_in_eager()
     assert pipeline.compile_stats(cm).recompilations == 2
 
 
+class DeeplyConfigured(Potential):
+    """Reads a value four levels into its config, and a class attribute."""
+    cutoff = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.config = {"blocks": [{"act": _Config(scale=1.0)}]}
+
+    def forward(self, positions):
+        positions.requires_grad_(True)
+        h = torch.tanh(self.embed(positions)) * self.config["blocks"][0]["act"].scale * self.cutoff
+        energy = self.out(F.silu(self.hidden(h))).sum()
+        return energy, -torch.autograd.grad(energy, positions, create_graph=True)[0]
+
+
+def test_through_autograd_grad_deep_values_class_attributes_and_strides_act_as_in_eager():
+    """A value deep in a config and a class attribute were keyed by identity or not at all (a stale compilation);
+    a transposed input of the same shape reused the compilation made for a contiguous one."""
+    model = DeeplyConfigured()
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["torch"], fallback="raise")
+    changes = (lambda m: None, lambda m: setattr(m.config["blocks"][0]["act"], "scale", 3.0),
+               lambda m: setattr(DeeplyConfigured, "cutoff", -2.0), lambda m: None)
+    try:
+        for i, change in enumerate(changes):
+            change(model), change(eager)
+            positions = torch.randn(3, 5).t() if i == 3 else torch.randn(5, 3)
+            (e1, f1), (e2, f2) = cm(positions.clone()), eager(positions.clone())
+            torch.testing.assert_close((e1, f1), (e2, f2))
+    finally:
+        DeeplyConfigured.cutoff = 1.0
+    assert pipeline.compile_stats(cm).recompilations == 3
+
+
+@pytest.mark.allow_fallback
+def test_through_autograd_grad_a_config_that_refers_to_itself_runs_in_eager_loudly():
+    model = DeeplyConfigured()
+    model.config["self"] = model.config
+    positions = torch.randn(5, 3)
+    with pytest.warns(pipeline.PipelineFallbackWarning, match="nested over 8 levels deep"):
+        got = pipeline.jit(model, executors=["torch"])(positions.clone())
+    torch.testing.assert_close(got, model(positions.clone()))
+
+
 def test_through_autograd_grad_a_closure_cell_is_read_at_each_call():
     def make(coefficient):
         def forces(positions):
