@@ -5,7 +5,8 @@
 #                              bundle .device/ (nvFuser + Transformer Engine, ../shared/device/pack.sh)
 #                              and .whl/ (small wheels the GPU image lacks). Both are git-ignored.
 #   scripts/gpu.sh tests       on the GPU machine: every test — the `cuda`-marked ones and the CPU suite
-#                              under that machine's torch (2.11).
+#                              under that machine's torch (2.11). `tests -m cuda -n 8`: the cuda tests alone,
+#                              8 at a time (pytest-xdist from .whl/; all 93 in ~90 s on an H100).
 #   scripts/gpu.sh bench [..]  on the GPU machine: benchmarks/train_gpu.py (arguments passed on).
 #   scripts/gpu.sh race [..]   on the GPU machine: benchmarks/region_race.py (nvFuser's regions vs
 #                              Inductor's on the same graphs; arguments passed on).
@@ -28,7 +29,8 @@ if [ "$what" = pack ]; then
   ../shared/device/pack.sh .device
   mkdir -p .whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 --platform any -d .whl expecttest==0.3.0 torchao==0.17.0
+    --platform manylinux2014_x86_64 --platform any -d .whl expecttest==0.3.0 torchao==0.17.0 \
+    pytest-xdist==3.8.0 execnet==2.1.2
   exit 0
 fi
 
