@@ -66,9 +66,12 @@ def lowered_output_specs(gm: fx.GraphModule, captured: Sequence[InputSpec], stag
     if stage == Stage.BACKWARD:
         return [OutputSpec(OutputKind.GRAD, _label(captured[i]) if i < len(captured) else None)
                 for i in range(len(out))]
-    if stage == Stage.JOINT:
-        return [OutputSpec(OutputKind.FORWARD_OUTPUT if i < num_forward_outputs else OutputKind.GRAD)
-                for i in range(len(out))]
+    if stage == Stage.JOINT:  # a forward output written back to an input targets its placeholder (AOTAutograd's desc)
+        descs, inputs = gm.graph.output_node().meta.get("desc") or (), gm.graph.find_nodes(op="placeholder")
+        written = [next((n.name for n in inputs if (d := getattr(desc, "mutated_input", None)) is not None
+                         and n.meta.get("desc") == d), None) for desc in descs]
+        return [OutputSpec(OutputKind.FORWARD_OUTPUT, written[i] if i < len(written) else None)
+                if i < num_forward_outputs else OutputSpec(OutputKind.GRAD) for i in range(len(out))]
     specs: list[OutputSpec] = []
     if fw_metadata is not None:
         specs += [OutputSpec(OutputKind.MUTATED_INPUT, _label(captured[i]) if i < len(captured) else None)

@@ -202,6 +202,33 @@ def test_user_checkpoint_around_dropout_with_cuda_graphs_runs_its_forward_unreco
     assert stats.eager_fallbacks == {} and stats.fallbacks == []
 
 
+class NormedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_checkpoint_saves_what_reads_a_buffer_the_forward_writes_back(policy):
+    """A BatchNorm in training writes its running stats back after the forward; recomputed in the backward, its op read
+    the new values (autograd refused: 'modified by an inplace operation'). It is saved instead."""
+    torch.manual_seed(0)
+    model, x = NormedMLP(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    cm = pipeline.jit(model, executors=["torch"], transforms=[checkpoint(policy)])
+    for _ in range(2):
+        cm(x).square().sum().backward()
+        eager(x).square().sum().backward()
+    for (name, p), (_, q) in zip(model.state_dict(keep_vars=True).items(), eager.state_dict(keep_vars=True).items()):
+        torch.testing.assert_close(p, q, msg=name)
+        if p.grad is not None or q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert pipeline.compile_stats(cm).fallbacks == []
+
+
 def test_checkpoint_rejects_unknown_policy():
     with pytest.raises(ValueError, match="policy must be 'full', 'selective' or a function"):
         checkpoint("most")

@@ -41,9 +41,12 @@ def checkpoint(policy: Union[str, Callable[[fx.Node], bool]] = "selective") -> T
 
     def apply(trace: Trace) -> Trace:
         gm = trace.editable()
-        for node in forward_ops(gm, trace):  # a tuple's element as its op; random draws saved: recomputed, they differ
-            node.meta["recompute"] = (node.args[0].meta.get("recompute") if node.target is operator.getitem
-                                      else CheckpointPolicy.MUST_SAVE if is_random(node) or save(node) else recompute)
+        # saved: random draws (they would differ) and reads of an input written back after the forward (BatchNorm stats)
+        written = {s.target for s in trace.outputs if s.kind == OutputKind.FORWARD_OUTPUT and s.target}
+        for node in forward_ops(gm, trace):
+            stale = any(a.op == "placeholder" and a.name in written for a in node.all_input_nodes)
+            node.meta["recompute"] = (node.args[0].meta.get("recompute") if node.target is operator.getitem else
+                                      CheckpointPolicy.MUST_SAVE if is_random(node) or stale or save(node) else recompute)
         return trace.derive(gm, by=name)
 
     return TracePass(apply, runs_on="joint", name=name)
