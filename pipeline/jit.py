@@ -324,7 +324,7 @@ class JittedModule(torch.nn.Module):
         setattr(self._original, name, value)
 
     def __delattr__(self, name: str) -> None:
-        delattr(self if name in self.__dict__ else self._original, name)
+        super().__delattr__(name) if name in self.__dict__ else delattr(self._original, name)
 
     def forward(self, *args, **kwargs):
         return _call(self, args, kwargs)

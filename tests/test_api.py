@@ -123,6 +123,9 @@ def test_attributes_set_on_the_jitted_module_reach_the_compiled_model():
     assert "scratch" not in cm.state_dict() and model.scratch is cm.scratch
     del cm.scale
     assert not hasattr(model, "scale")
+    cm.__dict__["own"] = 1  # a field of the wrapper's own is deleted from it
+    del cm.own
+    assert "own" not in cm.__dict__
 
 
 def test_optimizer_on_jitted_parameters_trains_the_original(mlp):
