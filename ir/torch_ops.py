@@ -38,10 +38,11 @@ MODE_CHANGES = frozenset({torch.amp.autocast_mode._enter_autocast, torch.amp.aut
 def changes_between(nodes) -> bool:
     """Whether a call between the first and the last of `nodes` (one graph's) writes in place or changes grad mode or
     autocast: a rewrite joining or moving them would read the write, or run them all under one mode."""
-    order = list(next(iter(nodes)).graph.nodes)
-    first, last = min(map(order.index, nodes)), max(map(order.index, nodes))
-    return any(writes_into(n) or n.op == "call_function" and n.target in MODE_CHANGES
-               for n in order[first:last] if n not in nodes)
+    inside, node, last = set(nodes), min(nodes), max(nodes)  # nodes order as their graph does: walk the span only
+    while (node := node.next) is not last:
+        if node not in inside and (writes_into(node) or node.op == "call_function" and node.target in MODE_CHANGES):
+            return True
+    return False
 
 
 def erase_unread(nodes) -> None:

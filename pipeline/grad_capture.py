@@ -120,8 +120,7 @@ def _snapshot(v, depth: int = 0):
     if isinstance(v, PLAIN):
         return v
     if depth > 8:
-        raise NotCapturable("a value the forward may read is nested over 8 levels deep (a cycle?): its changes could "
-                            "not be told apart")
+        raise NotCapturable("a value the forward may read is nested over 8 levels deep (a cycle?): not keyable")
     if isinstance(v, (set, frozenset)):
         return type(v), frozenset(_snapshot(x, depth + 1) for x in v)
     if isinstance(v, dict):
@@ -155,17 +154,18 @@ class GradCapture:
 
     def __init__(self, model_or_fn, state):
         self.target, self.state = model_or_fn, state
-        self.cache: dict[tuple, _Entry] = {}
+        self.cache, self.uncapturable = {}, False  # key -> _Entry; True: a value the key cannot hold (runs in eager)
         code = _forward_code(model_or_fn)
         self.globals_read = [(f.__globals__, n) for f in code for n in sorted(_names(f.__code__)) if n in f.__globals__]
         self.cells = [c for f in code for c in f.__closure__ or ()]
 
     def __call__(self, *args, **kwargs):
+        if self.uncapturable:  # decided once, not warned at every call
+            return self.target(*args, **kwargs)
         module = self.target if isinstance(self.target, torch.nn.Module) else None
-        params = dict(module.named_parameters()) if module is not None else {}
-        buffers = dict(module.named_buffers()) if module is not None else {}
+        got = (module.named_parameters(), module.named_buffers(), module.modules()) if module is not None else [()] * 3
+        params, buffers, modules = dict(got[0]), dict(got[1]), list(got[2])
         flat_args, in_spec = pytree.tree_flatten((args, kwargs))
-        modules = list(module.modules()) if module is not None else []
         try:
             key = (in_spec, global_modes(), tuple(map(_module_state, modules)),
                    tuple(_class_fields(cls) for cls in dict.fromkeys(map(type, modules))),
@@ -173,6 +173,7 @@ class GradCapture:
                    tuple(_snapshot(scope.get(n)) for scope, n in self.globals_read),
                    tuple(_snapshot(c.cell_contents) if _cell_filled(c) else None for c in self.cells))
         except NotCapturable as e:
+            self.uncapturable = True
             report_fallback(self.state, f"the model runs in eager: {e}")
             return self.target(*args, **kwargs)
         if (entry := self.cache.get(key)) is None:
@@ -227,4 +228,4 @@ class GradCapture:
 
 
 def _signature(v):
-    return (tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else (type(v), v)
+    return (v.shape, v.stride(), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else (type(v), v)

@@ -318,10 +318,8 @@ class JittedModule(torch.nn.Module):
         self._non_persistent_buffers_set, self.training = model._non_persistent_buffers_set, model.training
 
     def __setattr__(self, name: str, value) -> None:
-        """An attribute set on the jitted model is set on the original, which the compiled code reads (`cm.scale = 2`)."""
-        if name in self.__dict__:  # the wrapper's own fields (shared dicts, hooks, `training`)
-            return super().__setattr__(name, value)
-        setattr(self._original, name, value)
+        """Set on the original, which the compiled code reads (`cm.scale = 2`); the wrapper's own fields on itself."""
+        super().__setattr__(name, value) if name in self.__dict__ else setattr(self._original, name, value)
 
     def __delattr__(self, name: str) -> None:
         super().__delattr__(name) if name in self.__dict__ else delattr(self._original, name)

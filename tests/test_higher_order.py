@@ -321,10 +321,12 @@ def test_through_autograd_grad_deep_values_class_attributes_and_strides_act_as_i
 def test_through_autograd_grad_a_config_that_refers_to_itself_runs_in_eager_loudly():
     model = DeeplyConfigured()
     model.config["self"] = model.config
-    positions = torch.randn(5, 3)
+    positions, cm = torch.randn(5, 3), pipeline.jit(model, executors=["torch"])
     with pytest.warns(pipeline.PipelineFallbackWarning, match="nested over 8 levels deep"):
-        got = pipeline.jit(model, executors=["torch"])(positions.clone())
+        got = cm(positions.clone())
     torch.testing.assert_close(got, model(positions.clone()))
+    torch.testing.assert_close(cm(positions.clone()), got)  # the next call: decided once, reported once
+    assert len(pipeline.compile_stats(cm).fallbacks) == 1
 
 
 def test_through_autograd_grad_a_closure_cell_is_read_at_each_call():
